@@ -1,0 +1,29 @@
+"""Test-wide setup. TRITON_INTERPRET must be set before anything imports triton: the Triton kernels
+run on CPU tensors in the interpreter here (no GPU), and they are the code under test."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from zero_kernels import backends  # noqa: E402
+
+
+def available_backends() -> list:
+    """Every concrete backend this machine can run on CPU tensors. ``cpu`` must be present when
+    ZK_REQUIRE_CPU=1 (CI): a missing build is then a failure, not a skip."""
+    out = []
+    for name in ("reference", "triton", "cpu"):
+        why = backends.why_unavailable(name, torch.device("cpu"))
+        if why is None:
+            out.append(pytest.param(name, id=name))
+        elif name == "cpu" and os.environ.get("ZK_REQUIRE_CPU") == "1":
+            raise RuntimeError(f"ZK_REQUIRE_CPU=1 but the cpu backend is unavailable: {why}")
+        else:
+            out.append(pytest.param(name, id=name, marks=pytest.mark.skip(reason=f"{name}: {why}")))
+    return out
+
+
+BACKENDS = available_backends()

@@ -1,0 +1,378 @@
+"""FusedAdam / FusedAdamW against torch.optim.Adam / AdamW, on every available backend.
+
+The Triton kernel runs in the interpreter (conftest sets TRITON_INTERPRET=1), so it is the code
+under test here, not only the reference.
+"""
+import copy
+import random
+
+import pytest
+import torch
+
+import zero_kernels as zk
+from zero_kernels import backends
+from conftest import BACKENDS
+
+# Odd sizes, a 0-dim and an empty parameter, sizes around the Triton chunk (4096) and block (1024).
+SHAPES = [(), (0,), (1,), (7, 3), (33,), (1003,), (4097,), (129, 65), (5, 1, 9)]
+
+
+def make_params(seed, dtype=torch.float32, shapes=SHAPES):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in shapes]
+
+
+def random_hparams(rng):
+    return dict(lr=rng.choice([1e-3, 3e-3, 1e-2]), betas=(rng.choice([0.8, 0.9]), rng.choice([0.99, 0.999])),
+                eps=rng.choice([1e-8, 1e-6]), weight_decay=rng.choice([0.0, 0.1, 0.03]),
+                amsgrad=rng.random() < 0.5, maximize=rng.random() < 0.3)
+
+
+def groups_of(params, rng, hp):
+    """Split params into 2-3 groups with different lr / weight decay."""
+    cut1, cut2 = sorted(rng.sample(range(1, len(params)), 2))
+    return [{"params": params[:cut1]},
+            {"params": params[cut1:cut2], "lr": hp["lr"] * 0.5, "weight_decay": 0.0},
+            {"params": params[cut2:], "weight_decay": hp["weight_decay"] + 0.05, "amsgrad": not hp["amsgrad"]}]
+
+
+def set_grads(params_list, step, seed, dtype=None, skip=()):
+    """The same random gradient (rounded to `dtype` if given) into each list of parameters."""
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    for i, ps in enumerate(zip(*params_list)):
+        grad = torch.randn(ps[0].shape, generator=g) * (1 + i)
+        if dtype is not None:
+            grad = grad.to(dtype)
+        for p in ps:
+            p.grad = None if i in skip else grad.to(p.dtype).clone()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("adamw", [True, False], ids=["AdamW", "Adam"])
+@pytest.mark.parametrize("seed", [11, 23])
+def test_fp32_parity_with_torch(backend, adamw, seed):
+    rng = random.Random(seed + adamw)
+    hp = random_hparams(rng)
+    ours, ref = make_params(seed), make_params(seed)
+    OptZ, OptT = (zk.FusedAdamW, torch.optim.AdamW) if adamw else (zk.FusedAdam, torch.optim.Adam)
+    gz, gt = groups_of(ours, random.Random(seed), hp), groups_of(ref, random.Random(seed), hp)
+    oz, ot = OptZ(gz, backend=backend, **hp), OptT(gt, **hp)
+    before = [p.detach().clone() for p in ours]
+    for step in range(20):
+        # parameter 2 gets no gradient on odd steps: it must be skipped like torch skips it
+        set_grads([ours, ref], step, seed, skip=(2,) if step % 2 else ())
+        oz.step()
+        ot.step()
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    for pz, pt in zip(ours, ref):
+        sz, st = oz.state[pz], ot.state[pt]
+        assert float(sz["step"]) == float(st["step"])
+        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            assert (k in sz) == (k in st)
+            if k in sz:
+                torch.testing.assert_close(sz[k], st[k], rtol=1e-5, atol=1e-6)
+    moved = [not torch.equal(a, b) for a, b in zip(before, ours) if a.numel()]
+    assert all(moved), "negative control: every non-empty parameter must have moved"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_low_precision_params_with_fp32_masters(backend, dtype, amsgrad):
+    """16-bit params == fp32 torch AdamW (on an fp32 copy, fed the same 16-bit grads) rounded to
+    16 bits, within one 16-bit ulp; the fp32 master equals torch's fp32 parameter."""
+    seed = 5
+    low = make_params(seed, dtype)
+    ref = [p.detach().float().requires_grad_() for p in low]
+    oz = zk.FusedAdamW(low, lr=1e-2, weight_decay=0.1, amsgrad=amsgrad, backend=backend)
+    ot = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+    for step in range(20):
+        set_grads([low, ref], step, seed, dtype=dtype)
+        oz.step()
+        ot.step()
+    for p, q in zip(low, ref):
+        assert p.dtype == dtype
+        torch.testing.assert_close(oz.state[p]["master_param"], q.detach(), rtol=1e-5, atol=1e-6)
+        if p.numel() == 0:
+            continue
+        rounded = q.detach().to(dtype)
+        ulp = torch.nextafter(rounded.float().abs(), torch.tensor(float("inf"))).to(dtype).float() - rounded.float().abs()
+        diff = (p.detach().float() - rounded.float()).abs()
+        # one 16-bit ulp of the value (nextafter in fp32 then rounding gives the 16-bit neighbour)
+        spacing = (rounded.float().abs() * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10)).clamp_min(1e-30)
+        assert torch.all(diff <= torch.maximum(ulp, spacing)), f"max diff {diff.max()}"
+        # exact in the overwhelming majority of elements (a wrong rounding mode fails this)
+        assert (diff == 0).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_16bit_copy_is_round_to_nearest_even_of_master(backend):
+    p = make_params(3, torch.bfloat16, [(50001,)])
+    opt = zk.FusedAdamW(p, lr=1e-2, backend=backend)
+    set_grads([p], 0, 3, dtype=torch.bfloat16)
+    opt.step()
+    master = opt.state[p[0]]["master_param"]
+    assert torch.equal(p[0].detach().view(torch.int16), master.bfloat16().view(torch.int16))
+    # negative control: truncation (what the interpreter's plain cast does) differs somewhere
+    trunc = (master.view(torch.int32) >> 16).to(torch.int16)
+    assert not torch.equal(p[0].detach().view(torch.int16), trunc)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_master_weights_off_keeps_16bit_states(backend):
+    p = make_params(4, torch.bfloat16, [(37,)])
+    opt = zk.FusedAdamW(p, lr=1e-2, master_weights=False, backend=backend)
+    set_grads([p], 0, 4, dtype=torch.bfloat16)
+    opt.step()
+    st = opt.state[p[0]]
+    assert "master_param" not in st and st["exp_avg"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_scaler_round_trip_with_injected_inf(backend, dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.Tanh(), torch.nn.Linear(17, 3)).to(dtype)
+    ref = copy.deepcopy(model).float()
+    oz = zk.FusedAdamW(model.parameters(), lr=1e-2, backend=backend)
+    ot = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    x = torch.randn(8, 9)
+    for step in range(4):
+        oz.zero_grad()
+        scaler.scale(model(x.to(dtype)).float().square().mean()).backward()
+        if step == 2:  # inject an inf: the whole step must be skipped
+            next(model.parameters()).grad[0, 0] = float("inf")
+            snap = ([p.detach().clone() for p in model.parameters()],
+                    {id(p): {k: v.clone() for k, v in oz.state[p].items()} for p in model.parameters()})
+        scaler.step(oz)
+        scaler.update()
+        if step == 2:
+            assert scaler.get_scale() == 2.0 ** 9, "scale must halve after an inf"
+            for p, before in zip(model.parameters(), snap[0]):
+                assert torch.equal(p.detach(), before), "parameters changed on a skipped step"
+                for k, v in oz.state[p].items():
+                    assert torch.equal(v, snap[1][id(p)][k]), f"state {k} changed on a skipped step"
+        else:
+            # the unscaled step equals torch AdamW on the true gradient
+            ot.zero_grad()
+            ref(x).square().mean().backward()
+            if dtype == torch.float32:
+                ot.step()
+    assert float(oz.state[next(model.parameters())]["step"]) == 3
+    if dtype == torch.float32:
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grad_scale_and_found_inf_kwargs(backend):
+    p, q = make_params(8, shapes=[(100,)]), make_params(8, shapes=[(100,)])
+    oz = zk.FusedAdamW(p, lr=1e-2, backend=backend)
+    ot = torch.optim.AdamW(q, lr=1e-2)
+    set_grads([p, q], 0, 8)
+    p[0].grad.mul_(64.0)
+    oz.step(grad_scale=torch.tensor(64.0), found_inf=torch.tensor(0.0))
+    ot.step()
+    torch.testing.assert_close(p[0], q[0], rtol=1e-6, atol=1e-7)
+    before = p[0].detach().clone()
+    oz.step(grad_scale=torch.tensor(64.0), found_inf=torch.tensor(1.0))
+    assert torch.equal(before, p[0].detach()) and float(oz.state[p[0]]["step"]) == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("direction", ["torch_to_zk", "zk_to_torch"])
+def test_state_dict_interchange_with_torch(backend, direction):
+    torch.manual_seed(1)
+    def model():
+        torch.manual_seed(1)
+        return torch.nn.Sequential(torch.nn.Linear(11, 23), torch.nn.GELU(), torch.nn.Linear(23, 4))
+    x = torch.randn(6, 11)
+    def train(m, o, n):
+        for _ in range(n):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    make_z = lambda m: zk.FusedAdamW(m.parameters(), lr=5e-3, weight_decay=0.05, amsgrad=True, backend=backend)
+    make_t = lambda m: torch.optim.AdamW(m.parameters(), lr=5e-3, weight_decay=0.05, amsgrad=True)
+    first, second = (make_t, make_z) if direction == "torch_to_zk" else (make_z, make_t)
+    # uninterrupted run with the second optimizer type as ground truth for "continues identically"
+    m_ref = model()
+    o_ref = torch.optim.AdamW(m_ref.parameters(), lr=5e-3, weight_decay=0.05, amsgrad=True)
+    train(m_ref, o_ref, 10)
+    m1 = model()
+    o1 = first(m1)
+    train(m1, o1, 5)
+    sd = copy.deepcopy(o1.state_dict())
+    m2 = model()
+    m2.load_state_dict(m1.state_dict())
+    o2 = second(m2)
+    o2.load_state_dict(sd)
+    assert set(o2.state_dict()["state"][0]) >= {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+    train(m2, o2, 5)
+    for p, q in zip(m2.parameters(), m_ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    # negative control: a fresh optimizer (state not loaded) ends elsewhere
+    m3 = model()
+    m3.load_state_dict(m1.state_dict())
+    train(m3, second(m3), 5)
+    assert not all(torch.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(m3.parameters(), m_ref.parameters()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_state_dict_keys_with_master_weights(backend):
+    p = make_params(2, torch.bfloat16, [(10,)])
+    o = zk.FusedAdamW(p, backend=backend)
+    set_grads([p], 0, 2, dtype=torch.bfloat16)
+    o.step()
+    st = o.state_dict()["state"][0]
+    assert set(st) == {"step", "exp_avg", "exp_avg_sq", "master_param"}
+    assert st["master_param"].dtype == torch.float32 and st["exp_avg"].dtype == torch.float32
+    # a reload keeps fp32 state for bf16 params (torch would cast it down to bf16)
+    o2 = zk.FusedAdamW(p, backend=backend)
+    o2.load_state_dict(o.state_dict())
+    assert o2.state[p[0]]["exp_avg"].dtype == torch.float32
+    assert torch.equal(o2.state[p[0]]["master_param"], o.state[p[0]]["master_param"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_closure_zero_grad_scheduler_and_add_param_group(backend):
+    torch.manual_seed(2)
+    m = torch.nn.Linear(5, 3)
+    r = copy.deepcopy(m)
+    extra, extra_r = torch.nn.Parameter(torch.randn(4)), None
+    extra_r = torch.nn.Parameter(extra.detach().clone())
+    oz = zk.FusedAdamW(m.parameters(), lr=1e-2, backend=backend)
+    ot = torch.optim.AdamW(r.parameters(), lr=1e-2)
+    oz.add_param_group({"params": [extra], "lr": 3e-2, "weight_decay": 0.0})
+    ot.add_param_group({"params": [extra_r], "lr": 3e-2, "weight_decay": 0.0})
+    sz = torch.optim.lr_scheduler.StepLR(oz, step_size=2, gamma=0.5)
+    st = torch.optim.lr_scheduler.StepLR(ot, step_size=2, gamma=0.5)
+    x = torch.randn(7, 5)
+    for _ in range(6):
+        def cz():
+            oz.zero_grad(set_to_none=True)
+            loss = m(x).sum() + (extra ** 2).sum()
+            loss.backward()
+            return loss
+        def ct():
+            ot.zero_grad(set_to_none=False)
+            loss = r(x).sum() + (extra_r ** 2).sum()
+            loss.backward()
+            return loss
+        lz, lt = oz.step(cz), ot.step(ct)
+        torch.testing.assert_close(lz, lt)
+        sz.step(); st.step()
+    assert oz.param_groups[0]["lr"] == ot.param_groups[0]["lr"] == 1e-2 * 0.125
+    for p, q in zip(list(m.parameters()) + [extra], list(r.parameters()) + [extra_r]):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    oz.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in m.parameters())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tensor_lr_and_capturable(backend):
+    p, q = make_params(9, shapes=[(77,)]), make_params(9, shapes=[(77,)])
+    oz = zk.FusedAdamW(p, lr=torch.tensor(1e-2), capturable=True, backend=backend)
+    ot = torch.optim.AdamW(q, lr=torch.tensor(1e-2), foreach=False)  # torch: capturable is GPU-only
+    for s in range(3):
+        set_grads([p, q], s, 9)
+        oz.step(); ot.step()
+    torch.testing.assert_close(p[0], q[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_parameter_updated_in_place(backend):
+    base = torch.randn(13, 7)
+    p = torch.nn.Parameter(base.clone().t())  # non-contiguous view-shaped parameter
+    assert not p.is_contiguous()
+    q = torch.nn.Parameter(p.detach().clone())
+    oz, ot = zk.FusedAdamW([p], lr=1e-2, backend=backend), torch.optim.AdamW([q], lr=1e-2)
+    for s in range(3):
+        g = torch.randn(7, 13)
+        p.grad, q.grad = g.clone().t().contiguous().t().t().t(), g.clone()
+        oz.step(); ot.step()
+    assert not p.is_contiguous()
+    torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_launches_bounded_by_dtype_device_groups(monkeypatch):
+    """100 parameters in one group, two dtypes: 2 backend calls and 2 Triton launches, not 100."""
+    from zero_kernels.kernels import adam as tk
+    calls = []
+    real_get = backends.get
+    def counting_get(name):
+        fn = real_get(name)
+        def wrapped(*a, **k):
+            calls.append(len(a[0]))
+            return fn(*a, **k)
+        return wrapped
+    monkeypatch.setattr(backends, "get", counting_get)
+    params = [torch.nn.Parameter(torch.randn(3 + i % 17)) for i in range(70)]
+    params += [torch.nn.Parameter(torch.randn(5 + i % 13).bfloat16()) for i in range(30)]
+    opt = zk.FusedAdamW(params, lr=1e-3, backend="triton")
+    for p in params:
+        p.grad = torch.randn_like(p)
+    before = tk.launch_count
+    opt.step()
+    assert tk.launch_count - before == 2
+    assert sorted(calls) == [30, 70]
+
+
+BAD_HPARAMS = [
+    (dict(lr=-1.0), "Invalid learning rate"), (dict(lr=float("nan")), "Invalid learning rate"),
+    (dict(eps=-1e-8), "Invalid epsilon value"), (dict(eps=float("nan")), "Invalid epsilon value"),
+    (dict(weight_decay=-0.1), "Invalid weight_decay value"),
+    (dict(weight_decay=float("nan")), "Invalid weight_decay value"),
+    (dict(betas=(1.0, 0.999)), "Invalid beta parameter at index 0"),
+    (dict(betas=(0.9, -0.1)), "Invalid beta parameter at index 1"),
+    (dict(differentiable=True), "differentiable"), (dict(fused=False), "always fused"),
+    (dict(backend="tpu"), "backend"),
+]
+
+
+@pytest.mark.parametrize("kwargs,msg", BAD_HPARAMS)
+def test_bad_hyperparameters_raise(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        zk.FusedAdamW([torch.nn.Parameter(torch.randn(3))], **kwargs)
+
+
+def test_bad_parameters_raise():
+    with pytest.raises(ValueError, match="complex"):
+        zk.FusedAdamW([torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))])
+    with pytest.raises((ValueError, RuntimeError), match="floating"):
+        zk.FusedAdamW([torch.zeros(3, dtype=torch.int64)])
+    p = torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        zk.FusedAdamW([{"params": [p]}, {"params": [p]}])
+    with pytest.raises(ValueError, match="mixes devices"):
+        zk.FusedAdamW([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3, device="meta"))])
+
+
+def test_unavailable_backend_by_name_says_why(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        zk.FusedAdamW([torch.nn.Parameter(torch.randn(3))], backend="triton")
+    with pytest.raises(ValueError, match="cuda"):
+        zk.FusedAdamW([torch.nn.Parameter(torch.randn(3))], backend="cuda")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_gradients_raise_before_any_state_changes(backend):
+    a, b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(5))
+    opt = zk.FusedAdamW([a, b], backend=backend)
+    a.grad = torch.randn(4)
+    b.grad = torch.randn(5).to_sparse()
+    snapshot = a.detach().clone()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    b.grad = torch.randn(5)
+    b.grad.data = torch.randn(6)  # autograd refuses this assignment; .data gets past its check
+    with pytest.raises(RuntimeError, match="shape"):
+        opt.step()
+    b.grad = torch.randn(5)
+    b.grad.data = torch.randn(5, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="dtype"):
+        opt.step()
+    assert torch.equal(a.detach(), snapshot) and len(opt.state) == 0, "state changed before the error"

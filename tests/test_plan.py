@@ -1,0 +1,246 @@
+"""The memory model (zero_kernels.memory) and ``python -m zero_kernels.plan`` against background.md.
+
+Every reference figure of ../shared/background.md that the model covers is asserted here. Pure
+Python + matplotlib; no torch work, no GPU. 1 GB = 1e9 bytes.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from zero_kernels import memory as M
+from zero_kernels.plan import main
+
+GB = 1e9
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+# ---------------------------------------------------------------- model states (the stage table)
+
+def test_sixteen_bytes_per_param_reference_figures():
+    ddp_15 = M.model_state_bytes(int(1.5e9), 1, 0)
+    assert ddp_15["total"] == pytest.approx(24 * GB)       # GPT-2 1.5B: 16 x 1.5e9 = 24 GB
+    assert ddp_15["params"] == pytest.approx(3 * GB)       # ... against 3 GB of fp16 weights
+    assert M.model_state_bytes(int(7e9), 1, 0)["total"] == pytest.approx(112 * GB)  # 7B: 112 GB
+    assert M.model_state_bytes(int(7e9), 1, 0)["total"] > 80 * GB                  # > one A100
+    # per category: 2 + 2 + 4 + 4 + 4
+    psi = 1000
+    d = M.model_state_bytes(psi, 1, 0)
+    assert [d[k] for k in M.CATEGORIES] == [2 * psi, 2 * psi, 4 * psi, 4 * psi, 4 * psi]
+    assert set(d) == {*M.CATEGORIES, "total"}
+
+
+def test_ddp_replicates_everything():
+    # 16 GPUs training a 1B model hold 16 x 16 GB = 256 GB, of which only 16 GB is unique.
+    per_rank = [M.model_state_bytes(int(1e9), nd, 0)["total"] for nd in (1, 2, 16, 1024)]
+    assert per_rank == [16 * GB] * 4
+    assert 16 * per_rank[2] == pytest.approx(256 * GB)
+    assert 16 * M.model_state_bytes(int(1e9), 16, 3)["total"] == pytest.approx(16 * GB)
+
+
+@pytest.mark.parametrize("nd", [1, 2, 8, 64, 1000])
+def test_stage_formulas(nd):
+    psi = 3_000_000_007
+    s = {st: M.model_state_bytes(psi, nd, st) for st in range(4)}
+    assert s[0]["total"] == pytest.approx(16 * psi)
+    assert s[1]["total"] == pytest.approx(2 * psi + 2 * psi + 12 * psi / nd)
+    assert s[2]["total"] == pytest.approx(2 * psi + 14 * psi / nd)
+    assert s[3]["total"] == pytest.approx(16 * psi / nd)
+    # what is sharded at each stage
+    assert s[1]["params"] == s[1]["grads"] == 2 * psi
+    assert s[1]["master_params"] == pytest.approx(4 * psi / nd)
+    assert s[2]["grads"] == pytest.approx(2 * psi / nd) and s[2]["params"] == 2 * psi
+    assert s[3]["params"] == pytest.approx(2 * psi / nd)
+    for st in range(4):
+        assert s[st]["total"] == pytest.approx(sum(s[st][k] for k in M.CATEGORIES))
+
+
+def test_fp32_without_master():
+    psi, nd = 10 ** 9, 4
+    fp32 = M.dtype_bytes("fp32")
+    s = {st: M.model_state_bytes(psi, nd, st, **fp32) for st in range(4)}
+    assert s[0]["total"] == 16 * psi
+    assert s[1]["params"] == 4 * psi and s[1]["master_params"] == 0    # the param is the master
+    assert s[1]["total"] == pytest.approx(8 * psi + 8 * psi / nd)
+    assert s[2]["total"] == pytest.approx(4 * psi + 12 * psi / nd)
+    assert s[3]["total"] == pytest.approx(16 * psi / nd)
+
+
+def test_model_state_bad_input():
+    with pytest.raises(ValueError, match="stage"):
+        M.model_state_bytes(10, 2, 4)
+    with pytest.raises(ValueError, match="world_size"):
+        M.model_state_bytes(10, 0, 1)
+    with pytest.raises(ValueError, match="psi"):
+        M.model_state_bytes(-1, 2, 1)
+
+
+# ---------------------------------------------------------------- capacity chart
+
+def test_ddp_capacity_flat_near_3_5b():
+    caps = [M.max_trainable_params(g, 80 * GB, 0) for g in (1, 2, 4, 8, 64, 256, 1024)]
+    assert len(set(caps)) == 1, caps                        # does not grow with GPUs
+    assert rel(caps[0], 3.5e9) < 0.05
+
+
+def test_zero3_capacity_near_175b_at_64_and_linear():
+    c64 = M.max_trainable_params(64, 80 * GB, 3)
+    assert rel(c64, 175e9) < 0.10, c64
+    c = {g: M.max_trainable_params(g, 80 * GB, 3) for g in (16, 32, 64, 128, 256, 512, 1024)}
+    for g in (64, 128, 256, 512, 1024):      # doubling GPUs doubles capacity (block buffer capped)
+        assert c[g] / c[g // 2] == pytest.approx(2.0, rel=0.02), (g, c)
+    # stages 1 and 2 saturate at 56 GB / 4 B and / 2 B: the unsharded params (+ grads)
+    assert rel(M.max_trainable_params(1024, 80 * GB, 1), 14e9) < 0.01
+    assert rel(M.max_trainable_params(1024, 80 * GB, 2), 28e9) < 0.01
+    # ordering at scale
+    caps = [M.max_trainable_params(64, 80 * GB, s) for s in range(4)]
+    assert caps == sorted(caps)
+
+
+def test_capacity_is_the_largest_that_fits():
+    for stage in range(4):
+        cap = M.max_trainable_params(8, 80 * GB, stage)
+        assert M.plan(cap, 8, stage).fits
+        assert not M.plan(int(cap * 1.001) + 1, 8, stage).fits
+
+
+# ---------------------------------------------------------------- activations
+
+def test_activations_gpt2_15b():
+    full = M.activation_bytes(32, 1024, 1600, 48)
+    assert rel(full, 60 * GB) < 0.05                        # about 60 GB
+    ckpt = M.activation_bytes(32, 1024, 1600, 48, checkpointing=True)
+    assert rel(ckpt, 8 * GB) < 0.15                         # about 8 GB
+    assert ckpt == M.activation_bytes(32, 1024, 1600, 48, checkpointing="sqrt")
+    # activations grow as batch x seq x hidden x layers
+    assert M.activation_bytes(64, 1024, 1600, 48) == pytest.approx(2 * full)
+    assert M.activation_bytes(32, 1024, 1600, 96) == pytest.approx(2 * full)
+
+
+def test_activations_100b_with_checkpointing():
+    # A 100B model (ZeRO paper: 125 layers, hidden 8192) at batch 32 still needs ~60 GB.
+    assert rel(M.count_params(125, 8192, 50257), 100e9) < 0.02
+    ckpt = M.activation_bytes(32, 1024, 8192, 125, checkpointing=True)
+    assert rel(ckpt, 60 * GB) < 0.15
+
+
+def test_activation_options():
+    base = M.activation_bytes(32, 1024, 1600, 48)
+    assert M.activation_bytes(32, 1024, 1600, 48, heads=25) > base       # + attention scores
+    layer = M.activation_bytes(32, 1024, 1600, 48, checkpointing="layer")
+    assert layer < base
+    assert M.activation_bytes(1, 8, 16, 1, checkpointing=True) <= M.activation_bytes(1, 8, 16, 1)
+    with pytest.raises(ValueError, match="checkpointing"):
+        M.activation_bytes(1, 8, 16, 1, checkpointing="all")
+    with pytest.raises(ValueError, match="batch"):
+        M.activation_bytes(0, 8, 16, 1)
+
+
+def test_count_params_gpt2_xl():
+    n = M.count_params(48, 1600, 50257, seq=1024, heads=25)
+    assert n == 1_557_611_200                                # GPT-2 XL, exactly
+    assert rel(M.count_params(48, 1600, 50257), 1.5e9) < 0.05
+    assert rel(M.count_params(96, 12288, 50257, seq=2048), 175e9) < 0.01    # GPT-3
+    with pytest.raises(ValueError, match="heads"):
+        M.count_params(48, 1600, 50257, heads=7)
+
+
+# ---------------------------------------------------------------- 3D parallelism
+
+def test_3d_parallel_dp_size():
+    assert M.data_parallel_size(64, tp=8, pp=8) == 1       # nothing for ZeRO to shard
+    assert M.data_parallel_size(128, tp=8, pp=8) == 2
+    with pytest.raises(ValueError, match="divisible"):
+        M.data_parallel_size(100, tp=8, pp=8)
+    psi = int(175e9)
+    # DP = 1: every stage holds the same as DDP, each GPU Ψ/64 of the model
+    at64 = [M.plan(psi, 64, s, tp=8, pp=8) for s in range(4)]
+    assert all(p.dp == 1 for p in at64)
+    assert len({p.model_states for p in at64}) == 1
+    assert at64[0].model_states == pytest.approx(16 * psi / 64)
+    # DP = 2: ZeRO-3 halves the model states of one TP x PP slice
+    at128 = M.plan(psi, 128, 3, tp=8, pp=8)
+    assert at128.dp == 2 and at128.model_states == pytest.approx(16 * psi / 64 / 2)
+    assert M.plan(psi, 128, 1, tp=8, pp=8).model_states == pytest.approx(4 * psi / 64 + 12 * psi / 128)
+
+
+def test_plan_result():
+    p = M.plan(int(7e9), 8, 2, activations=10 * GB)
+    assert p.total == pytest.approx(p.model_states + p.gather_buffer + p.activations)
+    assert p.model_states == pytest.approx(2 * 7e9 + 14 * 7e9 / 8)
+    assert p.activations == 10 * GB and p.budget == 80 * GB and p.fits
+    assert p.gather_buffer == 0 and p.name == "ZeRO-2"
+    assert not M.plan(int(7e9), 1, 0).fits                   # 112 GB on one 80 GB GPU
+    assert set(p.categories()) == {*M.CATEGORIES, "gather_buffer", "activations"}
+
+
+# ---------------------------------------------------------------- the CLI
+
+def test_main_table(capsys):
+    assert main(["--params", "7e9", "--gpus", "8", "--gpu-mem", "80"]) == 0
+    out = capsys.readouterr().out
+    for s in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "112.00", "fits", "NO", "yes"):
+        assert s in out, s
+    assert main(["--model", "gpt2-xl", "--gpus", "16", "--batch", "32", "--checkpointing",
+                 "--stage", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "1,557,611,200" in out and "7.55" in out and "ZeRO-1" not in out
+    assert main(["--model", "--layers", "96", "--hidden", "12288", "--heads", "96",
+                 "--gpus", "128", "--tp", "8", "--pp", "8", "--param-dtype", "fp32"]) == 0
+    assert "DP 2 x TP 8 x PP 8" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--params", "7e9", "--gpus", "100", "--tp", "8", "--pp", "8"], "--gpus 100 is not divisible"),
+    (["--gpus", "8"], "exactly one of --params"),
+    (["--params", "7e9", "--model", "gpt2-xl"], "exactly one of --params"),
+    (["--params", "lots"], "invalid parameter count"),
+    (["--params", "7e9", "--stage", "4"], "--stage"),
+    (["--params", "7e9", "--batch", "8"], "--seq"),
+    (["--params", "7e9", "--checkpointing"], "add --batch"),
+    (["--model", "--hidden", "1600"], "--layers"),
+    (["--params", "7e9", "--plot", "out.txt"], ".png"),
+    (["--params", "7e9", "--param-dtype", "int8"], "--param-dtype"),
+])
+def test_main_bad_flags(argv, msg, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert msg in err, err
+
+
+def test_plot_png(tmp_path):
+    import matplotlib.image
+
+    out = tmp_path / "plan.png"
+    assert main(["--model", "gpt2-xl", "--gpus", "64", "--batch", "32", "--checkpointing",
+                 "--plot", str(out)]) == 0
+    data = out.read_bytes()
+    assert len(data) > 10_000 and data[:8] == PNG_MAGIC
+    img = matplotlib.image.imread(str(out))
+    assert img.ndim == 3 and img.shape[0] > 300 and img.shape[1] > 600
+
+
+def test_subprocess_cli(tmp_path):
+    # One subprocess only: `python -m zero_kernels.plan` imports the package, hence torch (slow).
+    out = tmp_path / "cap.png"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               MPLBACKEND="Agg")
+    r = subprocess.run([sys.executable, "-m", "zero_kernels.plan", "--params", "175B", "--gpus",
+                        "64", "--stage", "3", "--plot", str(out)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "ZeRO-3" in r.stdout and "DDP" not in r.stdout and out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_tp_pp_error_names_flags_and_fix(capsys):
+    assert main(["--params", "7e9", "--gpus", "100", "--tp", "8", "--pp", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp 8 x --pp 8 = 64" in err and "64 or 128" in err

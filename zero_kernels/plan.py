@@ -1,0 +1,352 @@
+"""``python -m zero_kernels.plan``: how much memory per GPU, at which ZeRO stage, does a model need?
+
+Examples::
+
+    python -m zero_kernels.plan --params 7e9 --gpus 8
+    python -m zero_kernels.plan --model gpt2-xl --gpus 16 --batch 32 --checkpointing
+    python -m zero_kernels.plan --model --layers 96 --hidden 12288 --heads 96 --gpus 128 --tp 8 --pp 8
+    python -m zero_kernels.plan --params 175B --gpus 64 --stage 3 --plot plan.png
+
+Prints per-rank bytes by category (bf16/fp16 params and grads, fp32 master, Adam m and v, the
+ZeRO-3 gather buffer, activations) for DDP and ZeRO-1/2/3, whether each fits, and the largest
+model that would. ``--plot`` draws the capacity chart (largest trainable model vs GPUs, 1-1024)
+and the per-category stacked bars. The formulas live in :mod:`zero_kernels.memory` (also the
+``predicted`` side of the ZeRO layer's ``memory_report()``); 1 GB = 1e9 bytes throughout.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from typing import Sequence
+
+from . import memory as M
+
+__all__ = ["main", "build_parser", "MODEL_PRESETS"]
+
+#: --model presets: GPT-2 XL (the ZeRO paper's 1.5B example) and GPT-3 175B.
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "gpt2-xl": dict(layers=48, hidden=1600, heads=25, vocab=50257, seq=1024),
+    "gpt3-175b": dict(layers=96, hidden=12288, heads=96, vocab=50257, seq=2048),
+}
+_CUSTOM = "custom"
+_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_ROWS = [("params", "params"), ("grads", "grads"), ("master_params", "master params (fp32)"),
+         ("exp_avg", "Adam m (exp_avg)"), ("exp_avg_sq", "Adam v (exp_avg_sq)")]
+
+
+def _param_count(text: str) -> int:
+    """'7e9', '7B', '1.5b', '350M', '1T' -> int."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"invalid parameter count {text!r}: use a number like 7e9, 7000000000, 7B or 350M")
+    value = float(m.group(1)) * _SUFFIX[m.group(2).lower()]
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"parameter count must be >= 1, got {text!r}")
+    return int(round(value))
+
+
+def _pos_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def _pos_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def _stage(text: str) -> str:
+    if text.lower() == "all" or text in ("0", "1", "2", "3"):
+        return text.lower()
+    raise argparse.ArgumentTypeError(f"expected 0 (DDP), 1, 2, 3 or 'all', got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m zero_kernels.plan",
+        description="Per-GPU memory of mixed-precision Adam training under DDP and ZeRO-1/2/3 "
+                    "(model states by category, ZeRO-3 gather buffer, activations), whether it "
+                    "fits, and the largest model that would. 1 GB = 1e9 bytes.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = p.add_argument_group("model (one of --params / --model)")
+    m.add_argument("--params", type=_param_count, metavar="N",
+                   help="number of parameters Ψ: 7e9, 7B, 350M ...")
+    m.add_argument("--model", nargs="?", const=_CUSTOM, metavar="PRESET",
+                   help="count Ψ of a GPT-style model from --layers/--hidden/--vocab (and --seq for "
+                        f"learned positions); PRESET fills them in: {', '.join(MODEL_PRESETS)}")
+    m.add_argument("--layers", type=_pos_int, help="transformer layers")
+    m.add_argument("--hidden", type=_pos_int, help="model width h")
+    m.add_argument("--heads", type=_pos_int, help="attention heads (must divide --hidden)")
+    m.add_argument("--vocab", type=_pos_int, help="vocabulary size (--model default 50257)")
+    h = p.add_argument_group("hardware and parallelism")
+    h.add_argument("--gpus", type=_pos_int, default=8, help="total GPUs")
+    h.add_argument("--gpu-mem", type=_pos_float, default=80.0, metavar="GB",
+                   help="memory per GPU in GB (1e9 bytes)")
+    h.add_argument("--tp", type=_pos_int, default=1, help="tensor-parallel degree")
+    h.add_argument("--pp", type=_pos_int, default=1, help="pipeline-parallel degree")
+    h.add_argument("--stage", type=_stage, default="all", help="0 (DDP), 1, 2, 3 or all")
+    h.add_argument("--param-dtype", choices=sorted(M.DTYPE_BYTES), default="bf16",
+                   help="bf16/fp16: 16-bit params and grads + fp32 master, m, v (16 B/param); "
+                        "fp32: fp32 params and grads, no separate master (16 B/param)")
+    h.add_argument("--reserve", type=float, default=M.DEFAULT_RESERVE, metavar="FRACTION",
+                   help="fraction of each GPU kept for activations when --batch is not given, "
+                        "and in the capacity chart")
+    a = p.add_argument_group("activations (modelled when --batch is given)")
+    a.add_argument("--batch", type=_pos_int, help="sequences per GPU per micro-batch")
+    a.add_argument("--seq", type=_pos_int, help="sequence length (also counts learned positions)")
+    a.add_argument("--checkpointing", nargs="?", const="sqrt", choices=["sqrt", "layer"],
+                   help="activation checkpointing: sqrt (default when given; √n checkpoints) or "
+                        "layer (one checkpoint per transformer layer)")
+    a.add_argument("--attn-scores", action="store_true",
+                   help="also count materialized heads·seq² attention scores (no flash "
+                        "attention); needs --heads")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="write the capacity chart and the per-category bar chart to this image")
+    return p
+
+
+def _fmt_params(n: float) -> str:
+    for div, s in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.3g}{s}" if n / div < 100 else f"{n / div:.0f}{s}"
+    return f"{n:.0f}"
+
+
+def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    """Validate the flags together; return the derived configuration. parser.error() on bad input."""
+    err = parser.error
+    if (args.params is None) == (args.model is None):
+        err("give exactly one of --params N (e.g. --params 7e9) or --model "
+            f"[{'|'.join(MODEL_PRESETS)}] with --layers/--hidden/--vocab")
+    shape = dict(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab,
+                 seq=args.seq)
+    if args.model not in (None, _CUSTOM):
+        if args.model not in MODEL_PRESETS:
+            err(f"unknown --model preset {args.model!r}; choose one of {', '.join(MODEL_PRESETS)} "
+                "or give --model alone with --layers/--hidden/--vocab")
+        shape = {k: (v if v is not None else MODEL_PRESETS[args.model][k]) for k, v in shape.items()}
+    if shape["heads"] is not None and shape["hidden"] is not None and shape["hidden"] % shape["heads"]:
+        err(f"--hidden {shape['hidden']} is not divisible by --heads {shape['heads']}")
+    if args.model is not None:
+        missing = [f"--{k}" for k in ("layers", "hidden") if shape[k] is None]
+        if missing:
+            err(f"--model needs {' and '.join(missing)} (or a preset: --model gpt2-xl)")
+        vocab = shape["vocab"] if shape["vocab"] is not None else 50257
+        psi = M.count_params(shape["layers"], shape["hidden"], vocab, seq=shape["seq"],
+                             heads=shape["heads"])
+    else:
+        psi = args.params
+    if args.gpus % (args.tp * args.pp):
+        k = args.tp * args.pp
+        lo, hi = max(k, args.gpus // k * k), (args.gpus // k + 1) * k
+        near = f"{lo} or {hi}" if lo != hi and lo < args.gpus else f"{hi}"
+        err(f"--gpus {args.gpus} is not divisible by --tp {args.tp} x --pp {args.pp} = {k}: "
+            f"DP = gpus / (TP x PP) must be whole; use --gpus {near}, or lower --tp/--pp")
+    if not 0 <= args.reserve < 1:
+        err(f"--reserve must be a fraction in [0, 1), got {args.reserve}")
+    act = None
+    if args.batch is not None:
+        missing = [f"--{k}" for k in ("seq", "hidden", "layers") if shape[k] is None]
+        if missing:
+            err(f"activations (--batch) also need {', '.join(missing)} "
+                "(or --model gpt2-xl / gpt3-175b)")
+        if args.attn_scores and shape["heads"] is None:
+            err("--attn-scores needs --heads")
+        act = M.activation_bytes(args.batch, shape["seq"], shape["hidden"], shape["layers"],
+                                 bytes_per=M.dtype_bytes(args.param_dtype)["param_bytes"],
+                                 checkpointing=args.checkpointing or False,
+                                 heads=shape["heads"] if args.attn_scores else None)
+    elif args.checkpointing or args.attn_scores:
+        err(f"{'--checkpointing' if args.checkpointing else '--attn-scores'} only affects "
+            "activations: add --batch (and --seq/--hidden/--layers or a --model preset)")
+    if args.plot:
+        d = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(d):
+            err(f"--plot {args.plot}: directory {d} does not exist")
+        from matplotlib.backend_bases import FigureCanvasBase
+        ext = os.path.splitext(args.plot)[1].lstrip(".").lower()
+        if ext not in FigureCanvasBase.get_supported_filetypes():
+            err(f"--plot {args.plot}: use an image file name ending in .png (or .svg, .pdf)")
+    stages = [0, 1, 2, 3] if args.stage == "all" else [int(args.stage)]
+    return dict(psi=psi, shape=shape, activations=act, stages=stages,
+                dp=args.gpus // (args.tp * args.pp), gpu_mem=args.gpu_mem * M.GB)
+
+
+def _plans(args, cfg) -> list[M.PlanResult]:
+    return [M.plan(cfg["psi"], args.gpus, s, gpu_mem_bytes=cfg["gpu_mem"], tp=args.tp, pp=args.pp,
+                   param_dtype=args.param_dtype, activations=cfg["activations"],
+                   hidden=cfg["shape"]["hidden"], reserve=args.reserve) for s in cfg["stages"]]
+
+
+def _capacity(gpus: int, stage: int, args, cfg, activations: float | None) -> int:
+    nb = M.dtype_bytes(args.param_dtype)
+    if activations is None:
+        reserve, extra = args.reserve, 0.0
+    else:
+        reserve, extra = 0.0, activations / args.tp
+    # hidden=None: the largest model is not this model, so its block size is estimated from its Ψ.
+    return M.max_trainable_params(gpus, cfg["gpu_mem"], stage, tp=args.tp, pp=args.pp,
+                                  reserve=reserve, extra_bytes=extra, **nb)
+
+
+def _report(args, cfg, plans: list[M.PlanResult]) -> str:
+    nb = M.dtype_bytes(args.param_dtype)
+    p16 = args.param_dtype
+    prec = (f"{p16} params and grads, fp32 master + Adam m, v" if nb["master_bytes"]
+            else "fp32 params (= master) and grads + Adam m, v")
+    lines = [f"Ψ = {cfg['psi']:,} parameters ({_fmt_params(cfg['psi'])}); {prec}: "
+             f"{sum(nb.values())} bytes/param, {sum(nb.values()) * cfg['psi'] / M.GB:,.1f} GB "
+             "of model states in all"]
+    shape = cfg["shape"]
+    if args.model is not None:
+        lines.append(f"  counted from {args.model if args.model != _CUSTOM else 'a GPT'} shape: "
+                     f"{shape['layers']} layers, hidden {shape['hidden']}, vocab "
+                     f"{shape['vocab'] or 50257}" + (f", seq {shape['seq']}" if shape['seq'] else ""))
+    lines.append(f"{args.gpus} GPU(s) x {args.gpu_mem:g} GB = DP {cfg['dp']} x TP {args.tp} x "
+                 f"PP {args.pp}; each rank holds Ψ/(TP·PP) = {_fmt_params(cfg['psi'] / (args.tp * args.pp))}"
+                 f" parameters; ZeRO shards over DP = {cfg['dp']}")
+    if cfg["dp"] == 1:
+        lines.append("  DP = 1: nothing for ZeRO to shard, every stage equals DDP")
+    if cfg["activations"] is None:
+        lines.append(f"activations: not modelled (add --batch); {args.reserve:.0%} of each GPU is "
+                     f"kept for them, so the budget is {plans[0].budget / M.GB:.1f} GB")
+    else:
+        ck = args.checkpointing or "none"
+        lines.append(f"activations: batch {args.batch} x seq {shape['seq']} x hidden "
+                     f"{shape['hidden']} x {shape['layers']} layers, checkpointing {ck}"
+                     + (", attention scores counted" if args.attn_scores else "")
+                     + f": {cfg['activations'] / M.GB:.2f} GB per replica"
+                     + (f", / TP {args.tp} per rank" if args.tp > 1 else "")
+                     + f"; budget = the whole {args.gpu_mem:g} GB")
+    lines.append("")
+    w0, w = 28, 11
+    header = "per-GPU memory, GB".ljust(w0) + "".join(p.name.rjust(w) for p in plans)
+    lines += [header, "-" * len(header)]
+    dt = {"params": p16 if nb["master_bytes"] else "fp32", "grads": p16 if nb["master_bytes"] else "fp32"}
+
+    def row(label, vals):
+        lines.append(label.ljust(w0) + "".join(v.rjust(w) for v in vals))
+
+    for key, label in _ROWS:
+        if key == "master_params" and not nb["master_bytes"]:
+            continue
+        label = f"{label} ({dt[key]})" if key in dt else label
+        row(label, [f"{getattr(p, key) / M.GB:,.2f}" for p in plans])
+    row("= model states", [f"{p.model_states / M.GB:,.2f}" for p in plans])
+    row("gather buffer (ZeRO-3)", [f"{p.gather_buffer / M.GB:,.2f}" for p in plans])
+    row("activations", [f"{p.activations / M.GB:,.2f}" if p.activations_modelled else "-"
+                        for p in plans])
+    lines.append("-" * len(header))
+    row("total", [f"{p.total / M.GB:,.2f}" for p in plans])
+    row("budget", [f"{p.budget / M.GB:,.2f}" for p in plans])
+    row("fits", ["yes" if p.fits else "NO" for p in plans])
+    caps = [_capacity(args.gpus, p.stage, args, cfg, cfg["activations"]) for p in plans]
+    row(f"largest model on {args.gpus} GPU(s)", [_fmt_params(c) if c else "none" for c in caps])
+    lines.append("")
+    fitting = [p for p in plans if p.fits]
+    if fitting:
+        lines.append(f"fits with: {', '.join(p.name for p in fitting)} "
+                     f"(least sharding that fits: {fitting[0].name})")
+    else:
+        lines.append("fits with: none of these; add GPUs, raise --tp/--pp, lower --batch, "
+                     "or use --checkpointing")
+    lines.append("formulas: zero_kernels/memory.py (ZeRO paper, Rajbhandari et al. SC'20); "
+                 "the ZeRO-3 gather buffer is the unsharded current block (params + grads) and the "
+                 "prefetched next block")
+    return "\n".join(lines)
+
+
+def _plot(path: str, args, cfg, plans: list[M.PlanResult]) -> None:
+    from matplotlib.figure import Figure  # no pyplot: no global backend, renders with Agg
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    fig = Figure(figsize=(13, 5.2), dpi=110, layout="constrained")
+    ax1, ax2 = fig.subplots(1, 2, width_ratios=[1.15, 1])
+    k = args.tp * args.pp
+    xs = [g for g in (2 ** i for i in range(11)) if g % k == 0]
+    colors = {0: "#7f7f7f", 1: "#1f77b4", 2: "#2ca02c", 3: "#d62728"}
+    for s in range(4):
+        ys = [_capacity(g, s, args, cfg, None) / 1e9 for g in xs]
+        ax1.plot(xs, ys, marker="o", ms=3.5, color=colors[s], label=M.STAGE_NAMES[s])
+    ref = args.gpu_mem == 80 and args.tp == 1 and args.pp == 1 and args.param_dtype != "fp32"
+    if ref:
+        ax1.plot([64], [175], marker="*", ms=13, color="black", ls="none",
+                 label="reference: DDP ≈3.5B flat, ZeRO-3 ≈175B @ 64")
+        ax1.plot([1, 1024], [3.5, 3.5], ls=":", color="black", lw=1)
+    ax1.axhline(cfg["psi"] / 1e9, color="#9467bd", ls="--", lw=1.2,
+                label=f"this model: {_fmt_params(cfg['psi'])}")
+    ax1.set_xscale("log", base=2)
+    ax1.set_yscale("log")
+    ax1.set_xticks(xs, [str(x) for x in xs])
+    ax1.set_xlabel("GPUs" + (f" (TP {args.tp} x PP {args.pp}; DP = GPUs / {k})" if k > 1 else ""))
+    ax1.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _fmt_params(v * 1e9)))
+    ax1.yaxis.set_minor_formatter(NullFormatter())
+    ax1.set_ylabel("largest trainable model (parameters)")
+    ax1.set_title(f"Capacity: {args.gpu_mem:g} GB GPUs, {args.param_dtype}, "
+                  f"{args.reserve:.0%} kept for activations")
+    ax1.grid(True, which="both", alpha=0.3)
+    ax1.legend(loc="upper left", fontsize=8.5)
+
+    cats = [("params", "params"), ("grads", "grads"), ("master_params", "fp32 master"),
+            ("exp_avg", "Adam m"), ("exp_avg_sq", "Adam v"),
+            ("gather_buffer", "ZeRO-3 gather buffer"), ("activations", "activations")]
+    ccol = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22"]
+    names = [p.name for p in plans]
+    bottom = [0.0] * len(plans)
+    for (key, label), c in zip(cats, ccol):
+        vals = [p.categories()[key] / M.GB for p in plans]
+        if not any(vals):
+            continue
+        ax2.bar(names, vals, bottom=bottom, color=c, label=label, width=0.6)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, p in enumerate(plans):
+        ax2.text(i, p.total / M.GB, f"{p.total / M.GB:,.1f} GB\n{'fits' if p.fits else 'does not fit'}",
+                 ha="center", va="bottom", fontsize=8.5)
+    ax2.axhline(args.gpu_mem, color="black", lw=1.2, label=f"GPU memory ({args.gpu_mem:g} GB)")
+    if plans[0].budget < plans[0].gpu_mem:
+        ax2.axhline(plans[0].budget / M.GB, color="black", ls="--", lw=1,
+                    label=f"budget ({plans[0].budget / M.GB:.0f} GB)")
+    ax2.set_ylim(0, max(max(bottom), args.gpu_mem) * 1.18)
+    ax2.set_ylabel("GB per GPU")
+    ax2.set_title(f"{_fmt_params(cfg['psi'])} params on {args.gpus} GPU(s) "
+                  f"(DP {cfg['dp']}, TP {args.tp}, PP {args.pp})")
+    ax2.legend(loc="upper right", fontsize=8.5)
+    ax2.grid(True, axis="y", alpha=0.3)
+    fig.savefig(path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the planner; returns the exit status (0 ok, 2 bad input) instead of exiting."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        cfg = _resolve(args, parser)
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2), message already printed
+        return e.code if isinstance(e.code, int) else 2
+    plans = _plans(args, cfg)
+    print(_report(args, cfg, plans))
+    if args.plot:
+        try:
+            _plot(args.plot, args, cfg, plans)
+        except ValueError as e:  # e.g. an image format matplotlib does not know
+            print(f"{parser.prog}: error: --plot {args.plot}: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

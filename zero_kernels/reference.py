@@ -1,0 +1,108 @@
+"""Pure-torch reference of the fused Adam/AdamW step: the oracle in tests and the CPU fallback.
+
+[Note: the fused-Adam contract]
+Every backend (``reference``, ``triton``, ``cpu``, ``cuda``) implements one function with the
+signature of :func:`fused_adam_ref` below. It updates T tensors in place, elementwise:
+
+    masters[i]        fp32, contiguous. The fp32 master copy (or the fp32 parameter itself).
+    grads[i]          fp32 / bf16 / fp16, contiguous, same numel. Read only.
+    exp_avgs[i]       fp32, contiguous (m).
+    exp_avg_sqs[i]    fp32, contiguous (v).
+    max_exp_avg_sqs   list of fp32 (amsgrad) or None.
+    params16          list of bf16 / fp16 tensors written with round-to-nearest-even(master), or None.
+    coeffs            fp32 tensor [T, 3], per tensor: (step_size = lr / (1 - beta1^t),
+                      bc2_sqrt = sqrt(1 - beta2^t), decay = 1 - lr * weight_decay for AdamW, else 1).
+                      Per tensor because torch keeps one step count per parameter.
+    grad_scale        None or a 1-element fp32 tensor: the gradient is MULTIPLIED by it first
+                      (1 / loss_scale x clip coefficient), before maximize and weight decay.
+    found_inf         None or a 1-element fp32 tensor: nonzero means "write nothing at all".
+
+Per element, with g the gradient read in fp32 (math in fp32 throughout, one cast at each store):
+
+    g = g * grad_scale                       (if grad_scale is given)
+    g = -g                                   (if maximize)
+    g = g + weight_decay * p                 (Adam / L2, i.e. not adamw)
+    p = p * decay                            (AdamW: decay = 1 - lr * wd)
+    m = m + (1 - beta1) * (g - m)            (torch's lerp form)
+    v = beta2 * v + (1 - beta2) * g * g
+    vmax = max(vmax, v)                      (amsgrad; the denominator then uses vmax)
+    p = p - step_size * m / (sqrt(v) / bc2_sqrt + eps)
+    p16 = round_to_nearest_even(p)           (if params16 is given)
+
+Bytes moved per element (the GB/s denominators used by every benchmark):
+    fp32 grad, no 16-bit copy:  read p, m, v, g (16) + write p, m, v (12) = 28 B
+    16-bit grad + 16-bit param: read p, m, v (12) + g (2) + write p, m, v (12) + p16 (2) = 28 B
+    amsgrad adds 8 B (read + write vmax). See :func:`bytes_per_element`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["fused_adam_ref", "compute_coeffs", "bytes_per_element"]
+
+
+def bytes_per_element(grad_dtype: torch.dtype, param16_dtype: torch.dtype | None, amsgrad: bool = False) -> int:
+    """Bytes one fused step moves per parameter element (reads + writes, each once)."""
+    g = torch.empty((), dtype=grad_dtype).element_size()
+    p16 = 0 if param16_dtype is None else torch.empty((), dtype=param16_dtype).element_size()
+    return 12 + g + 12 + p16 + (8 if amsgrad else 0)
+
+
+def compute_coeffs(steps: list[Tensor] | Tensor, lr: float | Tensor, beta1: float, beta2: float,
+                   weight_decay: float, adamw: bool, device: torch.device | None = None) -> Tensor:
+    """[T, 3] fp32 (step_size, bc2_sqrt, decay) from the per-tensor (already incremented) steps.
+
+    Torch ops only (no ``.item()``): capturable when the steps and lr live on the device. The
+    arithmetic is done in fp64 when the steps are on the CPU, like torch's Python-float path.
+    """
+    s = steps if isinstance(steps, Tensor) else torch.stack([t.reshape(()) for t in steps])
+    s = s.to(torch.float64 if s.device.type == "cpu" else torch.float32)
+    lr_t = lr.to(s.device, s.dtype) if isinstance(lr, Tensor) else torch.tensor(lr, dtype=s.dtype, device=s.device)
+    bc1 = 1 - torch.pow(torch.tensor(beta1, dtype=s.dtype, device=s.device), s)
+    bc2 = 1 - torch.pow(torch.tensor(beta2, dtype=s.dtype, device=s.device), s)
+    step_size = lr_t / bc1
+    decay = (1 - lr_t * weight_decay) if adamw else torch.ones((), dtype=s.dtype, device=s.device)
+    out = torch.stack([step_size, bc2.sqrt(), decay.expand_as(step_size)], dim=1).to(torch.float32)
+    return out if device is None else out.to(device, non_blocking=True)
+
+
+def fused_adam_ref(
+    masters: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+    max_exp_avg_sqs: list[Tensor] | None, params16: list[Tensor] | None, coeffs: Tensor, *,
+    beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool, maximize: bool,
+    grad_scale: Tensor | None = None, found_inf: Tensor | None = None,
+) -> None:
+    """The contract in plain torch (see the Note above). States may be fp32 or any float dtype:
+    math runs in fp32 and results are cast back once (that is how ``master_weights=False`` with
+    16-bit parameters keeps 16-bit states)."""
+    skip = None if found_inf is None else (found_inf.reshape(()) != 0)
+    for i, (p, g, m, v) in enumerate(zip(masters, grads, exp_avgs, exp_avg_sqs)):
+        step_size, bc2_sqrt, decay = coeffs[i, 0], coeffs[i, 1], coeffs[i, 2]
+        pf, gf, mf, vf = p.float(), g.float(), m.float(), v.float()
+        if grad_scale is not None:
+            gf = gf * grad_scale.reshape(()).to(torch.float32)
+        if maximize:
+            gf = -gf
+        if not adamw and weight_decay != 0:
+            gf = gf + weight_decay * pf
+        if adamw:
+            pf = pf * decay
+        mf = mf + (1 - beta1) * (gf - mf)
+        vf = beta2 * vf + (1 - beta2) * gf * gf
+        denom_v = vf
+        new = [mf, vf]
+        if max_exp_avg_sqs is not None:
+            vmax = torch.maximum(max_exp_avg_sqs[i].float(), vf)
+            denom_v = vmax
+            new.append(vmax)
+        pf = pf - step_size * mf / (denom_v.sqrt() / bc2_sqrt + eps)
+        outs = [p, m, v] + ([max_exp_avg_sqs[i]] if max_exp_avg_sqs is not None else [])
+        vals = [pf] + new
+        if params16 is not None:
+            outs.append(params16[i])
+            vals.append(pf)
+        for dst, val in zip(outs, vals):
+            if skip is not None:
+                val = torch.where(skip, dst.float(), val)
+            dst.copy_(val)
