@@ -269,10 +269,32 @@ def fused_adam_triton(
             maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
 
 
-# AOT codegen cases for tests/test_codegen.py: (kernel, signature, constexprs, description) are
-# built there from this description of how fused_adam_triton launches the kernel.
-CODEGEN_LAUNCHES = [
-    dict(grad=g, p16=p16, amsgrad=a)
-    for g, p16 in ((tl.float32, 0), (tl.bfloat16, 1), (tl.float16, 2), (tl.float32, 1))
-    for a in (False, True)
-]
+# Ahead-of-time codegen cases (tests/test_codegen.py compiles each for sm_80 and sm_90 and checks
+# the PTX for 128-bit accesses and the cubin for spills): (kernel, signature, constexprs, description,
+# options). Every dtype combination fused_adam_triton launches with, aligned and unaligned.
+def _codegen_cases() -> list:
+    sig = dict(ptr_table="*i64", numels="*i64", coeffs="*fp32", chunk_tensor="*i32", chunk_start="*i64",
+               grad_scale_ptr="*fp32", found_inf_ptr="*fp32",
+               beta1="fp32", beta2="fp32", eps="fp32", weight_decay="fp32")
+    num_warps = 4
+    per_thread = BLOCK // (32 * num_warps)                     # elements per thread per block
+    words = lambda nbytes: max(1, per_thread * nbytes // 16)   # noqa: E731 - 128-bit accesses per array
+    names = {tl.float32: "fp32", tl.bfloat16: "bf16", tl.float16: "fp16"}
+    cases = []
+    for grad, p16 in ((tl.float32, 0), (tl.bfloat16, 1), (tl.float16, 2), (tl.float32, 1)):
+        for ams in (False, True):
+            for aligned in (True, False):
+                ce = dict(GRAD_DTYPE=grad, P16_KIND=p16, HAS_GRAD_SCALE=True, HAS_FOUND_INF=True,
+                          ADAMW=True, AMSGRAD=ams, MAXIMIZE=True, ALIGNED=aligned,
+                          BLOCK_SIZE=BLOCK, N_ITERS=ITERS)
+                g_bytes = 4 if grad == tl.float32 else 2
+                desc = (f"grad={names[grad]} p16={['none', 'bf16', 'fp16'][p16]}"
+                        f"{' amsgrad' if ams else ''}{'' if aligned else ' unaligned'}")
+                opts = dict(num_warps=num_warps, streaming=aligned,
+                            min_wide_loads=(3 + ams) * words(4) + words(g_bytes),
+                            min_wide_stores=(3 + ams) * words(4) + (words(2) if p16 else 0))
+                cases.append((fused_adam_kernel, sig, ce, desc, opts))
+    return cases
+
+
+CODEGEN_CASES = _codegen_cases()

@@ -40,6 +40,14 @@ def _validate_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
+def _local(t: Tensor | None) -> Tensor | None:
+    """The local shard of a DTensor (FSDP2 parameters, grads and states), else the tensor itself.
+    ``to_local()`` shares storage, so the kernel's in-place writes land in the DTensor."""
+    if t is not None and hasattr(t, "to_local") and hasattr(t, "device_mesh"):
+        return t.to_local()
+    return t
+
+
 def _scalar(x: float | Tensor) -> float:
     return float(x.item()) if isinstance(x, Tensor) else float(x)
 
@@ -165,19 +173,20 @@ class FusedAdam(torch.optim.Optimizer):
         if len(state) == 0:
             on_device = group["capturable"]
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
-            state["exp_avg"] = torch.zeros(p.shape, dtype=sdtype, device=p.device)
-            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=sdtype, device=p.device)
+            # zeros_like keeps DTensor-ness (FSDP2): states are sharded like their parameter
+            state["exp_avg"] = torch.zeros_like(p, dtype=sdtype, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=sdtype, memory_format=torch.contiguous_format)
             if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=sdtype, device=p.device)
+                state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=sdtype, memory_format=torch.contiguous_format)
         if not torch.is_tensor(state["step"]):
             state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
         if master and "master_param" not in state:
             # From the 16-bit values: also right after loading a torch.optim state_dict.
             state["master_param"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format).clone()
         if group["amsgrad"] and "max_exp_avg_sq" not in state:
-            state["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=sdtype, device=p.device)
+            state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=sdtype, memory_format=torch.contiguous_format)
         for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-            if k in state and (state[k].dtype != sdtype or not state[k].is_contiguous()):
+            if k in state and (state[k].dtype != sdtype or not _local(state[k]).is_contiguous()):
                 state[k] = state[k].to(dtype=sdtype, memory_format=torch.contiguous_format)
         return state
 
@@ -229,12 +238,13 @@ class FusedAdam(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             state = self._init_state(p, group)
-            master = state.get("master_param")
-            g = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+            master = _local(state.get("master_param"))
+            g = _local(p.grad)
+            g = g if g.is_contiguous() else g.contiguous()
             if master is not None:
-                target, p16 = master, p
+                target, p16 = master, _local(p)
             else:
-                target, p16 = p, None
+                target, p16 = _local(p), None
             if p16 is not None and not p16.is_contiguous():
                 tmp = torch.empty(p16.shape, dtype=p16.dtype, device=p16.device)
                 writebacks.append((p16, tmp))
@@ -250,9 +260,9 @@ class FusedAdam(torch.optim.Optimizer):
                                           ("p", "g", "m", "v", "vmax", "p16", "step")})
             b["p"].append(target)
             b["g"].append(g)
-            b["m"].append(state["exp_avg"])
-            b["v"].append(state["exp_avg_sq"])
-            b["vmax"].append(state.get("max_exp_avg_sq"))
+            b["m"].append(_local(state["exp_avg"]))
+            b["v"].append(_local(state["exp_avg_sq"]))
+            b["vmax"].append(_local(state.get("max_exp_avg_sq")))
             b["p16"].append(p16)
             b["step"].append(state["step"])
         for (device, _, p16_dtype, ref_only), b in launches.items():

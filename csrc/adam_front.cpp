@@ -1,0 +1,183 @@
+// C++ front end of zero_kernels._C: every argument check (TORCH_CHECK with a message) and the
+// pybind11 module definition. Kernels (csrc/cpu_adam.cpp, csrc/cuda_adam.cu) trust their inputs.
+//
+// Python-visible:
+//   fused_adam_cpu(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, params16, coeffs,
+//                  beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf)
+//   fused_adam_cuda(... same ...)            only when built with CUDA (ZK_WITH_CUDA)
+//   stream_ceiling(a, b, c, d)               a += d; b += d; c += d  (bandwidth ceiling)
+//   flatten_cpu / unflatten_cpu              see csrc/cpu_flatten.cpp (when present)
+//   cpu_isa()                                "avx512" | "avx2" | "scalar"
+// Empty lists stand for None (max_exp_avg_sqs without amsgrad, params16 without a 16-bit copy).
+
+#include "fused_adam.h"
+
+#include <torch/extension.h>
+
+#include <string>
+
+namespace {
+
+const char* dev_name(c10::DeviceType t) { return t == c10::DeviceType::CPU ? "CPU" : "CUDA"; }
+
+void check_list(const std::vector<at::Tensor>& ts, const char* what, int64_t T,
+                const std::vector<at::Tensor>& masters, c10::DeviceType dt,
+                const c10::Device& dev0, const char* fn) {
+  TORCH_CHECK(static_cast<int64_t>(ts.size()) == T, fn, ": ", what, " has ", ts.size(),
+              " tensors but masters has ", T, " (one per parameter)");
+  for (int64_t i = 0; i < T; ++i) {
+    const at::Tensor& t = ts[i];
+    TORCH_CHECK(t.defined(), fn, ": ", what, "[", i, "] is undefined");
+    TORCH_CHECK(t.device().type() == dt, fn, ": ", what, "[", i, "] is on ", t.device(),
+                "; this kernel needs ", dev_name(dt), " tensors");
+    TORCH_CHECK(t.device() == dev0, fn, ": ", what, "[", i, "] is on ", t.device(),
+                " but masters[0] is on ", dev0, "; all tensors must be on one device");
+    TORCH_CHECK(t.is_contiguous(), fn, ": ", what, "[", i,
+                "] is not contiguous (strides ", t.strides(),
+                "); pass contiguous tensors (e.g. .contiguous(), then copy the result back)");
+    TORCH_CHECK(t.numel() == masters[i].numel(), fn, ": ", what, "[", i, "] has ", t.numel(),
+                " elements but masters[", i, "] has ", masters[i].numel());
+  }
+}
+
+void check_dtype(const std::vector<at::Tensor>& ts, const char* what, at::ScalarType want,
+                 const char* fn) {
+  for (size_t i = 0; i < ts.size(); ++i)
+    TORCH_CHECK(ts[i].scalar_type() == want, fn, ": ", what, "[", i, "] has dtype ",
+                ts[i].scalar_type(), "; expected ", want);
+}
+
+void check_scalar(const std::optional<at::Tensor>& t, const char* what, c10::DeviceType dt,
+                  const c10::Device& dev0, const char* fn) {
+  if (!t.has_value()) return;
+  TORCH_CHECK(t->defined(), fn, ": ", what, " is an undefined tensor (pass None instead)");
+  TORCH_CHECK(t->numel() == 1, fn, ": ", what, " must have exactly 1 element, got ", t->numel());
+  TORCH_CHECK(t->scalar_type() == at::kFloat, fn, ": ", what, " must be float32, got ",
+              t->scalar_type());
+  TORCH_CHECK(t->device().type() == dt && (dt == c10::DeviceType::CPU || t->device() == dev0), fn,
+              ": ", what, " is on ", t->device(), " but the tensors are on ", dev0);
+}
+
+}  // namespace
+
+void check_fused_adam_args(ZK_FUSED_ADAM_ARGS, c10::DeviceType dt, const char* fn) {
+  const int64_t T = static_cast<int64_t>(masters.size());
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, fn, ": beta1 must be in [0, 1), got ", beta1);
+  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, fn, ": beta2 must be in [0, 1), got ", beta2);
+  TORCH_CHECK(eps >= 0.0, fn, ": eps must be >= 0, got ", eps);
+  TORCH_CHECK(coeffs.defined(), fn, ": coeffs is undefined");
+  TORCH_CHECK(coeffs.scalar_type() == at::kFloat, fn, ": coeffs must be float32 [T, 3], got ",
+              coeffs.scalar_type());
+  TORCH_CHECK(coeffs.dim() == 2 && coeffs.size(0) == T && coeffs.size(1) == 3, fn,
+              ": coeffs must have shape [T, 3] = [", T, ", 3] (step_size, bc2_sqrt, decay), got ",
+              coeffs.sizes());
+  TORCH_CHECK(coeffs.is_contiguous(), fn, ": coeffs must be contiguous");
+  if (T == 0) {
+    TORCH_CHECK(grads.empty() && exp_avgs.empty() && exp_avg_sqs.empty() &&
+                    max_exp_avg_sqs.empty() && params16.empty(),
+                fn, ": masters is empty but the other lists are not");
+    return;
+  }
+  TORCH_CHECK(masters[0].defined(), fn, ": masters[0] is undefined");
+  const c10::Device dev0 = masters[0].device();
+  TORCH_CHECK(coeffs.device().type() == dt && (dt == c10::DeviceType::CPU || coeffs.device() == dev0),
+              fn, ": coeffs is on ", coeffs.device(), " but the tensors are on ", dev0);
+  check_list(masters, "masters", T, masters, dt, dev0, fn);
+  check_list(grads, "grads", T, masters, dt, dev0, fn);
+  check_list(exp_avgs, "exp_avgs", T, masters, dt, dev0, fn);
+  check_list(exp_avg_sqs, "exp_avg_sqs", T, masters, dt, dev0, fn);
+  if (!max_exp_avg_sqs.empty())
+    check_list(max_exp_avg_sqs, "max_exp_avg_sqs", T, masters, dt, dev0, fn);
+  if (!params16.empty()) check_list(params16, "params16", T, masters, dt, dev0, fn);
+
+  check_dtype(masters, "masters", at::kFloat, fn);
+  check_dtype(exp_avgs, "exp_avgs", at::kFloat, fn);
+  check_dtype(exp_avg_sqs, "exp_avg_sqs", at::kFloat, fn);
+  check_dtype(max_exp_avg_sqs, "max_exp_avg_sqs", at::kFloat, fn);
+  const at::ScalarType gt = grads[0].scalar_type();
+  TORCH_CHECK(gt == at::kFloat || gt == at::kBFloat16 || gt == at::kHalf, fn,
+              ": grads must be float32, bfloat16 or float16, got ", gt);
+  check_dtype(grads, "grads", gt, fn);  // one dtype per call (one call per dtype group)
+  if (!params16.empty()) {
+    const at::ScalarType pt = params16[0].scalar_type();
+    TORCH_CHECK(pt == at::kBFloat16 || pt == at::kHalf, fn,
+                ": params16 must be bfloat16 or float16, got ", pt);
+    check_dtype(params16, "params16", pt, fn);
+  }
+  check_scalar(grad_scale, "grad_scale", dt, dev0, fn);
+  check_scalar(found_inf, "found_inf", dt, dev0, fn);
+}
+
+namespace {
+
+void fused_adam_cpu(ZK_FUSED_ADAM_ARGS) {
+  check_fused_adam_args(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, params16, coeffs,
+                        beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf,
+                        c10::DeviceType::CPU, "fused_adam_cpu");
+  fused_adam_cpu_launch(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, params16, coeffs,
+                        beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf);
+}
+
+#ifdef ZK_WITH_CUDA
+void fused_adam_cuda(ZK_FUSED_ADAM_ARGS) {
+  check_fused_adam_args(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, params16, coeffs,
+                        beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf,
+                        c10::DeviceType::CUDA, "fused_adam_cuda");
+  fused_adam_cuda_launch(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, params16, coeffs,
+                         beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf);
+}
+#endif
+
+void stream_ceiling(at::Tensor a, at::Tensor b, at::Tensor c, const at::Tensor& d) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&a, &b, &c, &d}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "stream_ceiling: needs contiguous float32 CPU tensors");
+    TORCH_CHECK(t->numel() == a.numel(), "stream_ceiling: all four tensors need the same numel");
+  }
+  stream_ceiling_cpu(a, b, c, d);
+}
+
+}  // namespace
+
+#ifdef ZK_HAVE_FLATTEN
+void zk_register_flatten(pybind11::module_& m);
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "zero_kernels C++/CUDA kernels (see zero_kernels/reference.py for the contract)";
+  const char* adam_doc =
+      "Fused Adam/AdamW step, in place, over T tensors ([Note: the fused-Adam contract]). "
+      "Empty lists mean None.";
+  m.def("fused_adam_cpu", &fused_adam_cpu, adam_doc, py::arg("masters"), py::arg("grads"),
+        py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"),
+        py::arg("params16"), py::arg("coeffs"), py::arg("beta1"), py::arg("beta2"),
+        py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"), py::arg("maximize"),
+        py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+#ifdef ZK_WITH_CUDA
+  m.def("fused_adam_cuda", &fused_adam_cuda, adam_doc, py::arg("masters"), py::arg("grads"),
+        py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"),
+        py::arg("params16"), py::arg("coeffs"), py::arg("beta1"), py::arg("beta2"),
+        py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"), py::arg("maximize"),
+        py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+#endif
+  m.def("stream_ceiling", &stream_ceiling,
+        "In place a += d; b += d; c += d (fp32): the streaming-bandwidth ceiling with Adam's "
+        "access mix (read 4 arrays, write 3 back), same SIMD dispatch and thread pool",
+        py::arg("a"), py::arg("b"), py::arg("c"), py::arg("d"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("set_cpu_nt", &zk_set_cpu_nt,
+        "Tuning knob: non-temporal stores for the 16-bit parameter copy / the fp32 outputs",
+        py::arg("nt16"), py::arg("nt32"));
+  m.def("cpu_isa", &zk_cpu_isa, "SIMD path used by the CPU kernels: avx512 | avx2 | scalar");
+  m.attr("with_cuda") =
+#ifdef ZK_WITH_CUDA
+      true;
+#else
+      false;
+#endif
+#ifdef ZK_HAVE_FLATTEN
+  zk_register_flatten(m);
+#endif
+}

@@ -1,0 +1,51 @@
+// Declarations shared by the C++ front end (csrc/adam_front.cpp), the CPU kernel
+// (csrc/cpu_adam.cpp) and the CUDA kernel (csrc/cuda_adam.cu).
+//
+// The contract is [Note: the fused-Adam contract] in zero_kernels/reference.py.
+//
+// All argument checking (dtypes, contiguity, sizes, devices, list lengths) happens ONCE in the
+// front end (check_fused_adam_args); the *_launch functions below assume checked arguments:
+//   - masters, grads, exp_avgs, exp_avg_sqs: T tensors each, contiguous, same numel per index.
+//   - masters / exp_avgs / exp_avg_sqs / max_exp_avg_sqs: fp32.
+//   - grads: all fp32, all bf16 or all fp16.
+//   - max_exp_avg_sqs: empty (no amsgrad) or T fp32 tensors.
+//   - params16: empty (no 16-bit copy) or T tensors, all bf16 or all fp16.
+//   - coeffs: fp32 [T, 3] contiguous (step_size, bc2_sqrt, decay), on the tensors' device.
+//   - grad_scale / found_inf: absent or 1-element fp32 on the tensors' device.
+//   - every tensor on the same device (CPU for the cpu launch, one CUDA device for the cuda one).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+#define ZK_FUSED_ADAM_ARGS                                                                   \
+  const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& grads,             \
+      const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,  \
+      const std::vector<at::Tensor>& max_exp_avg_sqs,                                        \
+      const std::vector<at::Tensor>& params16, const at::Tensor& coeffs, double beta1,       \
+      double beta2, double eps, double weight_decay, bool adamw, bool maximize,              \
+      const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf
+
+// Argument checks (front end). Throws c10::Error (RuntimeError in Python) with a message.
+void check_fused_adam_args(ZK_FUSED_ADAM_ARGS, c10::DeviceType device_type, const char* fn_name);
+
+// CPU kernel (csrc/cpu_adam.cpp). Arguments already checked.
+void fused_adam_cpu_launch(ZK_FUSED_ADAM_ARGS);
+
+#ifdef ZK_WITH_CUDA
+// CUDA kernel (csrc/cuda_adam.cu). Arguments already checked (all tensors on one CUDA device);
+// launch on the current stream of that device. found_inf / grad_scale stay on the device.
+void fused_adam_cuda_launch(ZK_FUSED_ADAM_ARGS);
+#endif
+
+// CPU helpers (csrc/cpu_adam.cpp).
+// Which SIMD path the CPU kernel uses: "avx512", "avx2" or "scalar" (see zk_cpu_isa()).
+const char* zk_cpu_isa();
+// Non-temporal stores for the 16-bit copy (nt16) and the in-place fp32 outputs (nt32); a tuning
+// knob for benchmarks (defaults chosen by measurement, see cpu_adam.cpp).
+void zk_set_cpu_nt(bool nt16, bool nt32);
+// Streaming ceiling: in place, a += d; b += d; c += d over fp32 contiguous arrays of one numel
+// (reads 4 arrays, writes 3 back: Adam's access mix), same SIMD dispatch and thread pool.
+void stream_ceiling_cpu(at::Tensor& a, at::Tensor& b, at::Tensor& c, const at::Tensor& d);

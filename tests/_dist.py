@@ -1,0 +1,76 @@
+"""Helpers to run a function on N gloo processes (torch.multiprocessing, spawn) with a timeout.
+
+    run_world(fn, world_size, *args, timeout=180)   # fn(rank, world_size, *args) in each process
+
+Each process gets a fresh free port, one intra-op thread, and an initialized gloo default group
+(with a collective timeout, so a mismatch fails instead of blocking). Exceptions in a child are
+re-raised in the parent with the child's traceback; if the processes do not all finish within
+``timeout`` seconds they are killed and TimeoutError is raised, so a hang fails CI instead of
+blocking it.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, err_q, collective_timeout):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=collective_timeout))
+        fn(rank, world_size, *args)
+    except BaseException:
+        err_q.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn, world_size: int, *args, timeout: float = 180.0, collective_timeout: float = 60.0) -> None:
+    ctx = mp.get_context("spawn")
+    err_q = ctx.SimpleQueue()
+    port = free_port()
+    procs = []
+    for r in range(world_size):
+        p = ctx.Process(target=_entry, args=(r, world_size, port, fn, args, err_q, collective_timeout),
+                        daemon=True)
+        p.start()
+        procs.append(p)
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.is_alive() for p in procs):
+            if not err_q.empty():
+                break                   # one rank failed: the others may be stuck in a collective
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"world of {world_size} processes did not finish within {timeout:.0f} s")
+            time.sleep(0.05)
+        time.sleep(0.2)
+        if not err_q.empty():
+            rank, tb = err_q.get()
+            raise RuntimeError(f"rank {rank} of {world_size} failed:\n{tb}")
+        bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (0, None)]
+        if bad:
+            raise RuntimeError(f"processes exited abnormally (rank, exit code): {bad}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(5)

@@ -1,0 +1,219 @@
+"""Stage-2 gradient hooks: hand each gradient to its bucket, reduce-scatter buckets as they fill.
+
+[Note: stage-2 gradient flow]
+1. ``register_post_accumulate_grad_hook`` fires once per parameter per backward (tied parameters
+   are one Parameter, so once). The hook takes ``p.grad`` (sets it to None: the full-size gradient
+   is never kept) and stashes it in its bucket.
+2. When every parameter of a bucket has arrived, one flatten call copies the stash into the
+   bucket's full-size accumulation buffer (cast to ``reduce_dtype``, fp32 by default) and frees the
+   stash. Under ``no_sync()`` the buffer is kept and later micro-batches accumulate into it.
+3. Buckets are reduce-scattered *in bucket order* (as DDP does): a ready bucket waits for the
+   buckets before it. Every rank therefore issues the same collectives in the same order even
+   when ranks use different parameters. ``overlap_comm=True`` launches them asynchronously from
+   the hook, while backward continues; ``False`` defers them all to the end of backward.
+4. A bucket is ready when its *expected* parameters have arrived: those that got a gradient on
+   some rank in the previous step (all of them in the first step; the set is all-reduced at step(),
+   so every rank expects the same). A parameter unused in forward thus delays its bucket once, not
+   every step. A gradient that arrives after its bucket was launched ("late") is flattened into a
+   side buffer; step() reduce-scatters the side buffers of buckets that were late on any rank (the
+   flag rides on the step's flag all-reduce, so all ranks agree) and adds them in.
+   A callback queued on the autograd engine runs when backward ends: buckets with parameters that
+   got no gradient on this rank are completed with zeros and launched.
+5. The reduced slice is SUMmed into the bucket's ``grad_slice`` (accumulation over backwards
+   without ``no_sync`` works too); the full-size buffer is freed once its collective completes.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.autograd import Variable
+
+from . import collectives as C
+from .buckets import FlatBucket
+from .flat import flatten
+
+__all__ = ["Stage2Reducer"]
+
+
+class Stage2Reducer:
+    def __init__(self, buckets: list[FlatBucket], group, reduce_dtype: torch.dtype, overlap_comm: bool,
+                 mark_grad: Callable[[int, int], None]):
+        self.buckets = buckets
+        self.group = group
+        self.reduce_dtype = reduce_dtype
+        self.overlap_comm = overlap_comm
+        self.mark_grad = mark_grad          # (bucket, local index) -> records "this param had a grad"
+        self.sync = True                    # False inside no_sync()
+        self.next_launch = 0                # first bucket not yet launched in this backward
+        self.in_backward = False
+        self.handles = []
+        self.inflight: list[FlatBucket] = []
+        # expected[b][li]: param li of bucket b is awaited before b launches (see note, point 4)
+        self.expected = [[True] * len(b.params) for b in buckets]
+        self.expected_count = [len(b.params) for b in buckets]
+        self.arrived_expected = [0] * len(buckets)
+        self.late = [False] * len(buckets)
+
+    def set_expected(self, flags_per_bucket: list[list[bool]]) -> None:
+        self.expected = flags_per_bucket
+        self.expected_count = [sum(f) for f in flags_per_bucket]
+
+    def register(self) -> None:
+        for b in self.buckets:
+            for li, p in enumerate(b.params):
+                self.handles.append(p.register_post_accumulate_grad_hook(self._hook(b, li)))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _hook(self, bucket: FlatBucket, li: int):
+        def hook(p: torch.nn.Parameter) -> None:
+            self.on_grad(bucket, li, p)
+        return hook
+
+    # ---- during backward ------------------------------------------------------------------------
+    @torch.no_grad()
+    def on_grad(self, b: FlatBucket, li: int, p: torch.nn.Parameter) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            Variable._execution_engine.queue_callback(self.post_backward)
+        g = p.grad
+        p.grad = None
+        if g is None:
+            return
+        self.mark_grad(b.index, li)
+        if b.launched:                      # late: its bucket already left (see note, point 4)
+            late = getattr(b, "late_acc", None)
+            if late is None:
+                b.late_acc = torch.zeros(b.spec.padded_numel, dtype=self.reduce_dtype, device=b.device)
+            flatten([g], b.late_acc, [b.offsets[li]], accumulate=True)
+            self.late[b.index] = True
+            return
+        if li in b.stash:                   # a second backward reached this bucket before flushing
+            self._flatten(b)
+        b.stash[li] = g
+        b.arrived += 1
+        if self.expected[b.index][li]:
+            self.arrived_expected[b.index] += 1
+        if self.arrived_expected[b.index] >= self.expected_count[b.index] or b.arrived == len(b.params):
+            if b.stash:
+                self._flatten(b)
+            if self.sync and self.overlap_comm:
+                self._launch_ready()
+
+    def _flatten(self, b: FlatBucket) -> None:
+        """Move the stash into the accumulation buffer (copy into a fresh buffer, else add)."""
+        if b.pending is not None:           # the previous backward's reduction still owns b.acc
+            self.finish(b)
+        if b.acc is None:
+            b.acc = torch.empty(b.spec.padded_numel, dtype=self.reduce_dtype, device=b.device)
+            b.acc_fresh = True
+        items = sorted(b.stash.items())
+        if b.acc_fresh:
+            present = [li in b.stash for li in range(len(b.params))]
+            if not all(present):
+                b.zero_missing(b.acc, present)
+            else:
+                b.acc[b.spec.numel:].zero_()
+            flatten([g for _, g in items], b.acc, [b.offsets[li] for li, _ in items])
+            b.acc_fresh = False
+        else:
+            flatten([g for _, g in items], b.acc, [b.offsets[li] for li, _ in items], accumulate=True)
+        b.stash.clear()
+        b.acc_unlaunched = True
+
+    def _launch_ready(self) -> None:
+        while self.next_launch < len(self.buckets):
+            b = self.buckets[self.next_launch]
+            i = b.index
+            if b.launched or (self.arrived_expected[i] < self.expected_count[i] and b.arrived < len(b.params)):
+                break
+            self._launch(b)
+            self.next_launch += 1
+        self._reap()
+
+    def _launch(self, b: FlatBucket) -> None:
+        if b.pending is not None:
+            self.finish(b)
+        if b.stash:
+            self._flatten(b)
+        if b.acc is None:                   # nothing arrived on this rank: contribute zeros
+            b.acc = torch.zeros(b.spec.padded_numel, dtype=self.reduce_dtype, device=b.device)
+        if b.grad_slice is None:
+            b.grad_slice = torch.empty(b.spec.shard_numel, dtype=self.reduce_dtype, device=b.device)
+            out, b.pending_add = b.grad_slice, None
+        else:                               # accumulate over backwards: reduce, then add on wait
+            out = torch.empty_like(b.grad_slice)
+            b.pending_add = out
+        b.pending = C.reduce_scatter_bucket(b.acc, out, self.group, async_op=True, tag=b.index)
+        b.launched = True
+        b.acc_unlaunched = False
+        self.inflight.append(b)
+
+    def _reap(self) -> None:
+        """Free full-size buffers of collectives that already completed (no waiting)."""
+        keep = []
+        for b in self.inflight:
+            w = b.pending.work if b.pending is not None else None
+            if w is None or w.is_completed():
+                self.finish(b)
+            else:
+                keep.append(b)
+        self.inflight = keep
+
+    def post_backward(self) -> None:
+        """End of a backward: complete partial buckets and launch everything not yet launched."""
+        with torch.no_grad():
+            self.in_backward = False
+            for b in self.buckets:
+                if b.stash:
+                    self._flatten(b)
+            if self.sync:
+                for b in self.buckets[self.next_launch:]:
+                    if not b.launched:
+                        self._launch(b)
+                self.next_launch = len(self.buckets)
+            self._reset_backward()
+
+    def _reset_backward(self) -> None:
+        for b in self.buckets:
+            b.arrived = 0
+            self.arrived_expected[b.index] = 0
+            if self.sync:
+                b.launched = False
+        if self.sync:
+            self.next_launch = 0
+
+    # ---- at step() -------------------------------------------------------------------------
+    def finish(self, b: FlatBucket) -> None:
+        """Wait for b's reduce-scatter, fold it into grad_slice, free the full-size buffer."""
+        if b.pending is None:
+            return
+        C.wait(b.pending)
+        if b.pending_add is not None:
+            b.grad_slice.add_(b.pending_add)
+        b.pending = None
+        b.pending_add = None
+        b.acc = None
+
+    def finish_all(self) -> None:
+        for b in self.inflight:
+            self.finish(b)
+        self.inflight = []
+
+    def clear(self) -> None:
+        """Drop everything (zero_grad): pending collectives are waited for first."""
+        self.finish_all()
+        for b in self.buckets:
+            b.stash.clear()
+            b.acc = None
+            b.acc_unlaunched = False
+            b.late_acc = None
+            self.late[b.index] = False
+            self.arrived_expected[b.index] = 0
+            b.arrived = 0
+            b.launched = False
+        self.next_launch = 0
