@@ -6,7 +6,9 @@
 //                  beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf)
 //   fused_adam_cuda(... same ...)            only when built with CUDA (ZK_WITH_CUDA)
 //   stream_ceiling(a, b, c, d)               a += d; b += d; c += d  (bandwidth ceiling)
-//   flatten_cpu / unflatten_cpu              see csrc/cpu_flatten.cpp (when present)
+//   flatten_cpu(srcs, dst, offsets, scale=1.0) / unflatten_cpu(src, dsts, offsets)
+//                                            bucket copies, see csrc/cpu_flatten.cpp
+//   set_cpu_nt(nt16, nt32)                   tuning knob: non-temporal stores
 //   cpu_isa()                                "avx512" | "avx2" | "scalar"
 // Empty lists stand for None (max_exp_avg_sqs without amsgrad, params16 without a 16-bit copy).
 
@@ -137,11 +139,48 @@ void stream_ceiling(at::Tensor a, at::Tensor b, at::Tensor c, const at::Tensor& 
   stream_ceiling_cpu(a, b, c, d);
 }
 
-}  // namespace
+bool is_flat_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
 
-#ifdef ZK_HAVE_FLATTEN
-void zk_register_flatten(pybind11::module_& m);
-#endif
+// Shared checks of flatten / unflatten: `flat` is the bucket, `parts` the per-tensor side.
+void check_bucket(const at::Tensor& flat, const std::vector<at::Tensor>& parts,
+                  const std::vector<int64_t>& offsets, const char* fn, const char* flat_name,
+                  const char* parts_name, bool parts_may_be_fp64) {
+  TORCH_CHECK(flat.defined() && flat.device().is_cpu(), fn, ": ", flat_name,
+              " must be a CPU tensor");
+  TORCH_CHECK(flat.is_contiguous(), fn, ": ", flat_name, " must be contiguous");
+  TORCH_CHECK(is_flat_dtype(flat.scalar_type()), fn, ": ", flat_name,
+              " must be float32, bfloat16 or float16, got ", flat.scalar_type());
+  TORCH_CHECK(offsets.size() == parts.size(), fn, ": ", offsets.size(), " offsets for ",
+              parts.size(), " tensors in ", parts_name);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const at::Tensor& t = parts[i];
+    TORCH_CHECK(t.defined() && t.device().is_cpu(), fn, ": ", parts_name, "[", i,
+                "] must be a CPU tensor");
+    TORCH_CHECK(t.is_contiguous(), fn, ": ", parts_name, "[", i, "] is not contiguous (strides ",
+                t.strides(), "); pass .contiguous() tensors");
+    TORCH_CHECK(is_flat_dtype(t.scalar_type()) || (parts_may_be_fp64 && t.scalar_type() == at::kDouble),
+                fn, ": ", parts_name, "[", i, "] has unsupported dtype ", t.scalar_type());
+    TORCH_CHECK(offsets[i] >= 0 && offsets[i] + t.numel() <= flat.numel(), fn, ": ", parts_name,
+                "[", i, "] (", t.numel(), " elements at offset ", offsets[i],
+                ") does not fit in ", flat_name, " (", flat.numel(), " elements)");
+  }
+}
+
+void flatten_cpu(const std::vector<at::Tensor>& srcs, at::Tensor dst,
+                 const std::vector<int64_t>& offsets, double scale) {
+  check_bucket(dst, srcs, offsets, "flatten_cpu", "dst", "srcs", true);
+  flatten_cpu_launch(srcs, dst, offsets, scale);
+}
+
+void unflatten_cpu(const at::Tensor& src, const std::vector<at::Tensor>& dsts,
+                   const std::vector<int64_t>& offsets) {
+  check_bucket(src, dsts, offsets, "unflatten_cpu", "src", "dsts", false);
+  unflatten_cpu_launch(src, dsts, offsets);
+}
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "zero_kernels C++/CUDA kernels (see zero_kernels/reference.py for the contract)";
@@ -177,7 +216,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
       false;
 #endif
-#ifdef ZK_HAVE_FLATTEN
-  zk_register_flatten(m);
-#endif
+  m.def("flatten_cpu", &flatten_cpu,
+        "dst[off_i : off_i + n_i] = cast(float(srcs[i]) * scale), one parallel pass (ZeRO buckets)",
+        py::arg("srcs"), py::arg("dst"), py::arg("offsets"), py::arg("scale") = 1.0,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("unflatten_cpu", &unflatten_cpu,
+        "dsts[i] = cast(src[off_i : off_i + n_i]), one parallel pass (ZeRO buckets)",
+        py::arg("src"), py::arg("dsts"), py::arg("offsets"),
+        py::call_guard<py::gil_scoped_release>());
 }

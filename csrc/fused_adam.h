@@ -43,6 +43,13 @@ void fused_adam_cuda_launch(ZK_FUSED_ADAM_ARGS);
 // CPU helpers (csrc/cpu_adam.cpp).
 // Which SIMD path the CPU kernel uses: "avx512", "avx2" or "scalar" (see zk_cpu_isa()).
 const char* zk_cpu_isa();
+// Bucket flatten / unflatten (csrc/cpu_flatten.cpp), arguments checked by the front end:
+//   flatten:   dst[off_i : off_i + n_i] = cast(float(srcs[i]) * scale)   (dst flat fp32/bf16/fp16)
+//   unflatten: dsts[i] = cast(src[off_i : off_i + n_i])
+void flatten_cpu_launch(const std::vector<at::Tensor>& srcs, const at::Tensor& dst,
+                        const std::vector<int64_t>& offsets, double scale);
+void unflatten_cpu_launch(const at::Tensor& src, const std::vector<at::Tensor>& dsts,
+                          const std::vector<int64_t>& offsets);
 // Non-temporal stores for the 16-bit copy (nt16) and the in-place fp32 outputs (nt32); a tuning
 // knob for benchmarks (defaults chosen by measurement, see cpu_adam.cpp).
 void zk_set_cpu_nt(bool nt16, bool nt32);

@@ -403,3 +403,47 @@ def test_jit_build_slow(tmp_path):
     r = subprocess.run([sys.executable, "-c", JIT_SCRIPT], env=env, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0 and "JIT-OK" in r.stdout, r.stdout + r.stderr
+
+
+# ----------------------------------------------------------------------------- bucket flatten
+@needs_ext
+@pytest.mark.parametrize("ddt", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_flatten_unflatten_bitwise(ddt, scale):
+    gen = torch.Generator().manual_seed(21)
+    sizes = [1, 7, 33, 1003, 70001, 0, 16]
+    sdts = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+    srcs = [torch.randn(n, generator=gen, dtype=torch.float64).to(sdts[i % 4]) for i, n in enumerate(sizes)]
+    offsets, off = [], 3  # a gap before each tensor, odd offsets (misaligned destinations)
+    for n in sizes:
+        offsets.append(off)
+        off += n + 5
+    dst = torch.full((off,), 7.0, dtype=ddt)
+    C.flatten_cpu(srcs, dst, offsets, scale)
+    covered = torch.zeros(off, dtype=torch.bool)
+    for s, o in zip(srcs, offsets):
+        want = (s.float() * scale if scale != 1.0 else s.float()).to(ddt)
+        got = dst[o:o + s.numel()]
+        assert torch.equal(got.view(torch.int16 if ddt != torch.float32 else torch.int32),
+                           want.view(torch.int16 if ddt != torch.float32 else torch.int32))
+        covered[o:o + s.numel()] = True
+    assert bool((dst[~covered] == 7.0).all())  # gaps untouched
+    # unflatten back into tensors of the sources' dtypes (fp64 is not a destination dtype)
+    outs = [torch.empty(s.numel(), dtype=s.dtype if s.dtype != torch.float64 else torch.float32)
+            for s in srcs]
+    C.unflatten_cpu(dst, outs, offsets)
+    for o_t, o in zip(outs, offsets):
+        assert torch.equal(o_t, dst[o:o + o_t.numel()].to(o_t.dtype))
+
+
+@needs_ext
+def test_flatten_refusals():
+    dst = torch.zeros(10)
+    with pytest.raises(RuntimeError, match=r"srcs\[0\] \(8 elements at offset 5\) does not fit"):
+        C.flatten_cpu([torch.ones(8)], dst, [5], 1.0)
+    with pytest.raises(RuntimeError, match=r"srcs\[0\] is not contiguous"):
+        C.flatten_cpu([torch.ones(8)[::2]], dst, [0], 1.0)
+    with pytest.raises(RuntimeError, match="2 offsets for 1 tensors"):
+        C.flatten_cpu([torch.ones(2)], dst, [0, 2], 1.0)
+    with pytest.raises(RuntimeError, match="dst must be float32, bfloat16 or float16"):
+        C.flatten_cpu([torch.ones(2)], torch.zeros(4, dtype=torch.float64), [0], 1.0)

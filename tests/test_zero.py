@@ -213,15 +213,19 @@ def zero_run(cfg, group=None, seed=0):
 
 def check_parity(cfg, group=None, seed=0):
     nd = dist.get_world_size(group)
+    bf16 = cfg.get("dtype") == "bf16"
     model, opt, norms = zero_run(cfg, group, seed)
     ref, ref_norms = reference(cfg, nd, seed, micro=cfg.get("dtype") == "bf16")
     full = opt.full_model_state_dict()
     ref_sd = ref.state_dict()
     assert set(full) == set(ref_sd), (sorted(full), sorted(ref_sd))
-    bf16 = cfg.get("dtype") == "bf16"
+    # fp32: rtol=1e-5. bf16 (fp32 masters vs the per-micro-batch reference): the same rtol, and an
+    # atol of 5% of one step's lr for fp32 summation-order noise that Adam amplifies on near-zero
+    # gradients -- far below one bf16 ulp of the working parameters.
+    atol = 5e-5 if bf16 else 1e-6
     for k, v in ref_sd.items():
         if k != "pos":
-            torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+            torch.testing.assert_close(full[k], v, rtol=1e-5, atol=atol, msg=lambda m: f"{k}: {m}")
     if bf16:
         # Against the bf16 backward of the *concatenated* batch: its gradient differs from the mean of
         # the per-rank bf16 gradients by bf16 rounding; Adam turns that into at most ~lr per step for
@@ -229,6 +233,8 @@ def check_parity(cfg, group=None, seed=0):
         cat, _ = reference(cfg, nd, seed, micro=False)
         lr = 1e-3
         for k, v in cat.state_dict().items():
+            if k == "pos":
+                continue
             d = (full[k] - v).abs()
             assert d.max() <= 1.2 * lr * STEPS, (k, d.max())
             far = int((d > 0.1 * lr * STEPS).sum())
@@ -505,10 +511,9 @@ def test_layout_plain_data():
 def test_bad_input_single_process():
     model = make_model()
     ptrs = [p.data_ptr() for p in model.parameters()]
-    with pytest.raises(NotImplementedError, match="stage=3"):
-        zk.ZeroAdamW(model, stage=3)
-    with pytest.raises(ValueError, match="stage"):
-        zk.ZeroAdamW(model, stage=0)
+    for bad in (0, 4):        # stage 3 lives in its own module (issue 5)
+        with pytest.raises(ValueError, match="stage"):
+            zk.ZeroAdamW(model, stage=bad)
     with pytest.raises(TypeError, match="module"):
         zk.ZeroAdamW(model.parameters(), stage=2)
     with pytest.raises(ValueError, match="learning rate"):
@@ -542,6 +547,9 @@ def _memory_worker(rank, world, psi_layers):
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(psi_layers)])
         x = torch.randn(4, 1024)
+        zk.ZeroAdamW(nn.Linear(2, 2), stage=stage, backend="reference")   # one-time imports, gloo buffers
+        model(x).pow(2).mean().backward()                                   # autograd's one-time costs
+        model.zero_grad(set_to_none=True)
         base = rss()
         opt = zk.ZeroAdamW(model, stage=stage, bucket_size=4 * 2**20, backend="reference")
         model(x).pow(2).mean().backward()

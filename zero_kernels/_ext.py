@@ -14,7 +14,9 @@ Environment:
     ZERO_KERNELS_NO_JIT=1      never JIT-build (step 2 is skipped).
     ZERO_KERNELS_FORCE_JIT=1   ignore the installed module (step 1 is skipped); tests use it.
     ZERO_KERNELS_CPU_ISA=avx512|avx2|scalar   cap the CPU kernel's SIMD path (read by the C++ code).
-    ZERO_KERNELS_CPU_NT=0      no non-temporal stores for the 16-bit parameter copy.
+    ZERO_KERNELS_CPU_NT=<a><b> non-temporal stores for the 16-bit parameter copy (a) and the fp32
+                               outputs (b), e.g. "10" (the default: measured best here).
+    ZERO_KERNELS_VERBOSE_BUILD=1  show the JIT compiler output.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@
    flag rides on the step's flag all-reduce, so all ranks agree) and adds them in.
    A callback queued on the autograd engine runs when backward ends: buckets with parameters that
    got no gradient on this rank are completed with zeros and launched.
-5. The reduced slice is SUMmed into the bucket's ``grad_slice`` (accumulation over backwards
+5. The reduced (averaged) slice is added into the bucket's ``grad_slice`` (accumulation over backwards
    without ``no_sync`` works too); the full-size buffer is freed once its collective completes.
 """
 from __future__ import annotations

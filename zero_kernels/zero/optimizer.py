@@ -3,12 +3,12 @@
 [Note: the ZeRO step]
 At ``step()`` (after backward):
   stage 1: each bucket's full gradient (``.grad`` views, or a flatten copy) is reduce-scattered
-           (SUM, fp32) into this rank's slice; stage 2: the hooks already launched those
+           (average, fp32) into this rank's slice; stage 2: the hooks already launched those
            reduce-scatters during backward (see [Note: stage-2 gradient flow] in hooks.py) and
            step() only waits.
   then, bucket by bucket in order: wait for its reduced slice, run the fused-Adam contract on the
-  slice (fp32 master, exp_avg, exp_avg_sq; grad_scale = 1/Nd x clip coefficient, so averaging and
-  clipping cost no extra pass), write the 16-bit parameter slice (or update fp32 parameters in
+  slice (fp32 master, exp_avg, exp_avg_sq; grad_scale = the clip coefficient, so clipping costs
+  no extra pass), write the 16-bit parameter slice (or update fp32 parameters in
   place: their slice *is* the master), and launch that bucket's all-gather, which writes straight
   into the module's parameters (they are views of the bucket). Later buckets' steps overlap
   earlier buckets' all-gathers.
@@ -58,7 +58,9 @@ class ZeroAdamW(torch.optim.Optimizer):
                  param_groups: list[dict] | None = None, process_group=None,
                  bucket_size: int = 25 * 2**20, overlap_comm: bool = True,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
-                 backend: str = "auto", alignment_bytes: int = 16):
+                 backend: str = "auto", alignment_bytes: int = 16,
+                 loss_scale=None, growth_interval: int = 2000, timeout=None,
+                 prefetch: int = 1, reshard_after_forward: bool = True, wrap=None):
         if weight_decay is None:
             weight_decay = 1e-2 if self._adamw else 0.0
         # ---- argument checks (identical on every rank: raise before any collective) ----------
@@ -66,11 +68,10 @@ class ZeroAdamW(torch.optim.Optimizer):
             raise TypeError(f"{type(self).__name__} takes the module itself (it needs parameter names "
                             f"and gradient hooks), got {type(model).__name__}: pass `model`, not "
                             "`model.parameters()`; per-group settings go in param_groups=[...]")
-        if stage == 3:
-            raise NotImplementedError("stage=3 (sharded parameters) is not implemented yet; use stage=1 "
-                                      "or stage=2")
-        if stage not in (1, 2):
-            raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+        if stage not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+        if stage == 3 and (not isinstance(prefetch, int) or prefetch < 0):
+            raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
         _check_hparams(lr, betas, eps, weight_decay, where="")
         if not isinstance(bucket_size, int) or bucket_size <= 0:
             raise ValueError(f"bucket_size must be a positive int (bytes), got {bucket_size!r}")
@@ -121,6 +122,9 @@ class ZeroAdamW(torch.optim.Optimizer):
                      if local_error is None else None,
                      "config": (stage, bucket_size, str(param_dtype), str(reduce_dtype), alignment_bytes),
                      "error": local_error}
+        self._timeout = C._as_timedelta(timeout)           # [Note: collective timeouts]
+        if self._timeout is not None and world > 1:
+            _join_barrier(process_group, self._timeout, world)
         _check_same_everywhere(signature, process_group, world, rank)
 
         # ---- layout --------------------------------------------------------------------------
@@ -128,7 +132,12 @@ class ZeroAdamW(torch.optim.Optimizer):
         for n, p in trainable:
             wdt = param_dtype or p.dtype
             infos.append(ParamInfo(n, tuple(p.shape), dtype_name(wdt), group_of[id(p)], tuple(aliases[id(p)])))
-        layout = build_layout(infos, world, bucket_size, alignment_bytes)
+        units = unit_of = None
+        if stage == 3:                      # [Note: stage-3 units] in stage3.py
+            from .stage3 import assign_units
+            units, unit_of = assign_units(model, trainable, wrap)
+        layout = build_layout(infos, world, bucket_size, alignment_bytes,
+                              unit_of=(lambda i: unit_of[i]) if unit_of is not None else None)
 
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize)
@@ -154,7 +163,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         with torch.no_grad():
             for bs in layout.buckets:
                 ps = [by_name[layout.params[i].name] for i in bs.params]
-                fb = FlatBucket(layout, bs.index, rank, ps, device, amsgrad=any(
+                fb = _bucket_class(stage)(layout, bs.index, rank, ps, device, amsgrad=any(
                     g["amsgrad"] for g in self.param_groups))
                 fb.bind([p.detach() for p in ps])
                 self.buckets.append(fb)
@@ -171,10 +180,19 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._active_cache: Tensor | None = None
         self._reduced = False                               # stage 1: grads reduced for this step
         self._reducer: Stage2Reducer | None = None
+        from .scaling import make_scaler                    # [Note: non-finite gradients]
+        self.loss_scaler, self.grad_scaler = make_scaler(loss_scale, growth_interval)
+        self.skipped_steps = 0
+        self._step_supports_amp_scaling = True              # torch.amp.GradScaler hands us grad_scale/found_inf
         if stage == 2:
             self._reducer = Stage2Reducer(self.buckets, process_group, reduce_dtype, overlap_comm,
                                           self._mark_grad)
             self._reducer.register()
+        self._s3 = None
+        if stage == 3:
+            from .stage3 import Stage3
+            self._s3 = Stage3(self, units, prefetch, reshard_after_forward)
+            self._reducer = self._s3.reducer
 
     # ---- torch.optim.Optimizer plumbing -------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -249,13 +267,18 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def _launch_stage1(self, b: FlatBucket) -> None:
         send = self._stage1_send_buffer(b)
-        b.grad_slice = torch.empty(b.spec.shard_numel, dtype=self.reduce_dtype, device=b.device)
+        if C.reduces_in_place(self.process_group):
+            # gloo reduces the whole buffer in place: the slice is a view, no copy (stage 1 holds the
+            # full gradient until the step ends anyway; freed in _finish_step).
+            b.grad_slice = send[b.slice_start:b.slice_end]
+        else:
+            b.grad_slice = torch.empty(b.spec.shard_numel, dtype=self.reduce_dtype, device=b.device)
         b.pending = C.reduce_scatter_bucket(send, b.grad_slice, self.process_group,
                                             async_op=self.overlap_comm, tag=b.index)
         b.acc = send                                 # keep the send buffer alive until the wait
 
     def _wait_bucket(self, b: FlatBucket) -> None:
-        if self.stage == 2:
+        if self.stage >= 2:
             self._reducer.finish(b)
         elif b.pending is not None:
             C.wait(b.pending)
@@ -333,13 +356,12 @@ class ZeroAdamW(torch.optim.Optimizer):
         coefficient is folded into the next step's grad_scale (no pass over the gradients)."""
         norm_type = float(norm_type)
         self._reduce_all()
-        inv = 1.0 / self.world_size
         acc = torch.zeros((), dtype=torch.float32, device=self._device)
         for b in self.buckets:
             if b.grad_slice is None:
                 continue
             s, e = b.spec.data_bounds(self.rank)
-            g = b.grad_slice[: e - s].float() * inv
+            g = b.grad_slice[: e - s].float()
             if g.numel() == 0:
                 continue
             if math.isinf(norm_type):
@@ -352,6 +374,10 @@ class ZeroAdamW(torch.optim.Optimizer):
         else:
             C.all_reduce_tensor(acc, op=dist.ReduceOp.SUM, group=self.process_group)
             total = acc.pow(1.0 / norm_type)
+        from .scaling import current_scale
+        ls = current_scale(self)
+        if ls is not None:                  # the slices hold loss-scaled gradients
+            total = total / ls
         coef = float(max_norm) / (total + 1e-6)
         self._clip_coef = torch.clamp(coef, max=1.0)
         return total
@@ -368,17 +394,24 @@ class ZeroAdamW(torch.optim.Optimizer):
             for b in self.buckets:
                 self._launch_stage1(b)
             self._reduced = True
-        elif self.stage == 2:
+        elif self.stage >= 2:
             self._flush_stage2()
         active = self._active()
         if not bool(active.any()):
             self._finish_step()
             return loss
+        from .scaling import check_step
+        skip, inv_loss_scale = check_step(self)             # [Note: non-finite gradients]
+        if skip:                                            # every rank skips: nothing changes
+            self._finish_step()
+            return loss
         for i in active.nonzero().flatten().tolist():
             self._steps[i] += 1
-        scale = torch.full((1,), 1.0 / self.world_size, dtype=torch.float32, device=self._device)
+        scale = torch.ones(1, dtype=torch.float32, device=self._device)   # slices are averages
         if self._clip_coef is not None:
             scale = scale * self._clip_coef.to(self._device)
+        if inv_loss_scale is not None:
+            scale = scale * inv_loss_scale
         gathers = []
         for b in self.buckets:
             self._wait_bucket(b)
@@ -386,10 +419,13 @@ class ZeroAdamW(torch.optim.Optimizer):
             if not bucket_active:
                 continue
             self._step_bucket(b, active, scale)
-            gathers.append(C.all_gather_bucket(b.param_flat, self.rank, self.process_group,
-                                               async_op=self.overlap_comm, tag=b.index))
+            if self._s3 is None:            # stage 3: no all-gather, the next forward gathers
+                gathers.append(C.all_gather_bucket(b.param_flat, self.rank, self.process_group,
+                                                   async_op=self.overlap_comm, tag=b.index))
         for g in gathers:
             C.wait(g)
+        if self._s3 is not None:
+            self._s3.after_step()           # gathered copies (if any) are stale now
         self._finish_step()
         return loss
 
@@ -440,6 +476,8 @@ class ZeroAdamW(torch.optim.Optimizer):
     def memory_report(self) -> dict[str, Any]:
         """Bytes this rank holds for model states now (call after step()), and the formula's
         prediction for this stage, world size and dtypes (zero_kernels.memory.model_state_bytes)."""
+        if self._s3 is not None:            # + the gathered working set (stage3.py)
+            return self._s3.memory_report()
         nb = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
         rep = {"params": sum(nb(b.param_flat) for b in self.buckets), "grads": 0,
                "master_params": sum(0 if b.master_is_param else nb(b.master) for b in self.buckets),
@@ -476,7 +514,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         buffers as the module holds them."""
         full: dict[str, Tensor] = {}
         for b in self.buckets:
-            if b.master_is_param:
+            if b.master_is_param and self._s3 is None:
                 flat = b.param_flat.detach().clone()
             else:
                 flat = torch.empty(b.spec.padded_numel, dtype=torch.float32, device=b.device)
@@ -538,8 +576,37 @@ class ZeroAdamW(torch.optim.Optimizer):
         for g, saved in zip(self.param_groups, state_dict["param_groups"]):
             for k, v in saved.items():
                 g[k] = tuple(v) if k == "betas" else v
+        if self._s3 is not None:
+            self._s3.after_step()           # stage 3: shards loaded, the next forward gathers
+            return
         for b in self.buckets:
             C.wait(C.all_gather_bucket(b.param_flat, self.rank, self.process_group, async_op=False))
+
+
+    # ---- checkpoints (zero_kernels/checkpoint.py: format, atomicity, resharding) ------------------
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """``loss * scale`` with ``loss_scale="dynamic"`` or a float (identity otherwise); call
+        ``.backward()`` on the result. The step unscales inside the fused kernel."""
+        return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
+
+    def save_checkpoint(self, path) -> str:
+        """Collective: every rank writes its shard of a resharding checkpoint under ``path``."""
+        from ..checkpoint import save_checkpoint
+        with C.timeout_scope(self._timeout, self.process_group):
+            return save_checkpoint(self, path)
+
+    def load_checkpoint(self, path) -> None:
+        """Collective: load a checkpoint saved at any world size / stage / bucket size."""
+        from ..checkpoint import load_checkpoint
+        with C.timeout_scope(self._timeout, self.process_group):
+            load_checkpoint(self, path)
+
+
+def _bucket_class(stage: int):
+    if stage == 3:
+        from .stage3 import UnitBucket      # full parameter buffer only while gathered
+        return UnitBucket
+    return FlatBucket
 
 
 class ZeroAdam(ZeroAdamW):
@@ -616,6 +683,37 @@ def _resolve_groups(param_groups, trainable, first_name, uniq, lr, betas, eps, w
         return [], {}, (f"trainable parameter {missing[0]!r} (and {len(missing) - 1} more) is in no param "
                         "group: add it to one, or set requires_grad=False on it")
     return out, group_of, None
+
+
+def _join_barrier(group, timeout, world: int) -> None:
+    """Fail with a clear error when a rank of the group never arrives (instead of hanging)."""
+    try:
+        if dist.get_backend(group) == "gloo":
+            dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+            return
+    except RuntimeError as e:
+        raise C.CollectiveTimeoutError(
+            f"ZeroAdamW construction: not every rank of the process group ({world} ranks) arrived within "
+            f"{timeout.total_seconds():g} s: {str(e).splitlines()[0][:300]}. Likely cause: a rank died or "
+            "never constructed the optimizer") from e
+    with C.timeout_scope(timeout, group):
+        C.all_reduce_tensor(torch.zeros(1), group=group)
+
+
+def _with_timeout(fn):
+    """Run a collective-issuing method inside the optimizer's timeout scope."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        with C.timeout_scope(getattr(self, "_timeout", None), getattr(self, "process_group", None)):
+            return fn(self, *args, **kwargs)
+    return wrapper
+
+
+for _name in ("step", "clip_grad_norm_", "zero_grad", "full_model_state_dict", "load_state_dict"):
+    setattr(ZeroAdamW, _name, _with_timeout(ZeroAdamW.__dict__[_name]))
+del _name
 
 
 def _check_same_everywhere(signature: dict, group, world: int, rank: int) -> None:
