@@ -15,19 +15,16 @@ model. (b) moves exactly 28 B/element, costs one small host->device copy of the 
 and handles flat ZeRO shards as a table of one entry. So (b) is the only kernel: one launch per
 (grad dtype, 16-bit param dtype, amsgrad) group, whatever the number of tensors.
 
-Vectorization: a GPU load is 128-bit only when the compiler can prove 16-byte alignment and an
-unmasked access. The launcher checks every pointer's alignment on the host and sets ``ALIGNED``,
-which adds ``tl.multiple_of`` hints; each block runs unmasked when it lies entirely inside its
-tensor and masked only on the tensor's last block.
+Grid and vectorization: see [Note: chunk map] and [Note: 128-bit accesses] in _multi_tensor.py.
 """
 from __future__ import annotations
-
-from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from ._multi_tensor import aligned, chunk_map, pointer_table, round_bf16_bits
 
 # Elements per program: BLOCK per iteration x ITERS iterations. Large chunks keep the grid small
 # (and the interpreter fast); BLOCK=1024 with 4 warps gives each thread 8 fp32 = two 128-bit loads.
@@ -37,19 +34,6 @@ CHUNK = BLOCK * ITERS
 
 # Columns of the pointer table.
 _MASTER, _GRAD, _EXP_AVG, _EXP_AVG_SQ, _MAX_SQ, _P16 = range(6)
-
-
-@triton.jit
-def round_bf16_bits(x):
-    """fp32 -> bf16 bit pattern (uint16), round to nearest even; NaN stays a quiet NaN.
-
-    Explicit on the bits because the interpreter truncates fp32->bf16 casts while a GPU rounds;
-    this way both agree bitwise with torch's ``.bfloat16()``.
-    """
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    quiet_nan = (bits >> 16) | 0x40
-    return tl.where(x != x, quiet_nan, rounded).to(tl.uint16)
 
 
 @triton.jit
@@ -190,17 +174,6 @@ _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 _P16_KIND = {None: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-@lru_cache(maxsize=64)
-def _chunk_map(numels: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """(numels, chunk_tensor, chunk_start) for a tuple of tensor sizes; cached per model shape."""
-    counts = [(n + CHUNK - 1) // CHUNK for n in numels]
-    tensor_idx = [t for t, c in enumerate(counts) for _ in range(c)]
-    starts = [j * CHUNK for c in counts for j in range(c)]
-    return (torch.tensor(numels, dtype=torch.int64).to(device),
-            torch.tensor(tensor_idx, dtype=torch.int32).to(device),
-            torch.tensor(starts, dtype=torch.int64).to(device))
-
-
 def _launch_group(masters, grads, exp_avgs, exp_avg_sqs, max_sqs, params16, coeffs, *, beta1, beta2,
                   eps, weight_decay, adamw, maximize, grad_scale, found_inf) -> int:
     """One kernel launch for tensors sharing (grad dtype, param16 dtype, amsgrad). Returns launches."""
@@ -216,9 +189,9 @@ def _launch_group(masters, grads, exp_avgs, exp_avg_sqs, max_sqs, params16, coef
         ptrs.append(row)
     if not rows:
         return 0
-    aligned = all(x % 16 == 0 for row in ptrs for x in row)
-    table = torch.tensor(ptrs, dtype=torch.int64).to(device, non_blocking=True)
-    numels, chunk_tensor, chunk_start = _chunk_map(tuple(masters[i].numel() for i in rows), device)
+    is_aligned = aligned(x for row in ptrs for x in row)
+    table = pointer_table(ptrs, device)
+    numels, chunk_tensor, chunk_start = chunk_map(tuple(masters[i].numel() for i in rows), CHUNK, device)
     c = coeffs if len(rows) == len(masters) else coeffs[rows]
     c = c.to(device=device, dtype=torch.float32).contiguous()
     dummy = c  # any fp32 tensor: never read when the flag is off
@@ -231,7 +204,7 @@ def _launch_group(masters, grads, exp_avgs, exp_avg_sqs, max_sqs, params16, coef
         GRAD_DTYPE=_TL_DTYPE[grads[rows[0]].dtype],
         P16_KIND=_P16_KIND[params16[rows[0]].dtype if params16 is not None else None],
         HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-        ADAMW=bool(adamw), AMSGRAD=max_sqs is not None, MAXIMIZE=bool(maximize), ALIGNED=aligned,
+        ADAMW=bool(adamw), AMSGRAD=max_sqs is not None, MAXIMIZE=bool(maximize), ALIGNED=is_aligned,
         BLOCK_SIZE=BLOCK, N_ITERS=ITERS, num_warps=4,
     )
     return 1

@@ -3,12 +3,16 @@
 One launch covers a whole list of tensors through a *pointer table*: an int64 tensor of data
 pointers that the kernel turns back into typed pointers (``tl.load(table + i).to(
 tl.pointer_type(DTYPE))``). Sources of one launch share a dtype (the wrapper groups by dtype).
-Grid: (number of tensors, blocks of the largest tensor); programs past a tensor's end are masked.
+Grid: one program per CHUNK of every tensor ([Note: chunk map] in _multi_tensor.py); full blocks
+run unmasked, with 128-bit accesses when aligned ([Note: 128-bit accesses]).
 
 Numerics: math in fp32, one rounding at the store. bf16 stores are rounded to nearest even on the
 fp32 bits explicitly (the interpreter truncates fp32 -> bf16 casts while a GPU rounds RNE), so the
 interpreter, a GPU and torch's ``.bfloat16()`` agree bitwise. fp16 stores use the cast (RNE on
 both). All offsets are int64 (buckets can exceed 2**31 elements).
+
+Bytes moved per element: flatten reads the source (2 or 4 B) and writes the bucket (2 or 4 B;
++ a read of it when accumulating); unflatten reads and writes one element width each.
 
 Used by :mod:`zero_kernels.zero.flat` on CUDA tensors, or on CPU when TRITON_INTERPRET=1; the
 torch path there is the CPU default (see [Note: views vs copies] in that file).
@@ -22,71 +26,103 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._multi_tensor import aligned, chunk_map, pointer_table, round_bf16_bits
+
 __all__ = ["flatten_triton", "unflatten_triton", "flatten_kernel", "unflatten_kernel", "CODEGEN_CASES"]
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _BITS = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
-BLOCK = 1024
-
-
-@triton.jit
-def _round_to_bf16(x):
-    """fp32 -> bf16, round-to-nearest-even on the bits; NaN stays a (quiet) NaN."""
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)
-    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+_TORCH_BITS = {tl.uint8: torch.uint8, tl.uint16: torch.int16, tl.uint32: torch.int32, tl.uint64: torch.int64}
+BLOCK = 1024              # elements per iteration (4 warps: 8 per thread)
+ITERS = 4                 # iterations per program
+CHUNK = BLOCK * ITERS     # elements per program
 
 
 @triton.jit
 def flatten_kernel(
-    src_table,                # *int64 [T]: data pointers of the T source tensors (dtype SRC_DTYPE)
-    numels,                   # *int64 [T]: element count of each source tensor
-    dst_offsets,              # *int64 [T]: first element of each source's region in dst
-    dst,                      # *fp32 / *bf16 / *fp16: the flat bucket (1-D, contiguous)
-    scale,                    # fp32 scalar: every source element is multiplied by it (1.0: copy)
-    SRC_DTYPE: tl.constexpr,  # tl.float32 / tl.bfloat16 / tl.float16: dtype of every source
-    ACCUMULATE: tl.constexpr, # True: dst += src * scale; False: dst = src * scale
-    DST_BF16: tl.constexpr,   # True when dst is bf16 (explicit round-to-nearest-even store)
-    BLOCK: tl.constexpr,      # elements handled by one program
+    src_table,                  # *int64 [T]: data pointers of the T source tensors (dtype SRC_DTYPE)
+    numels,                     # *int64 [T]: element count of each source tensor
+    dst_offsets,                # *int64 [T]: first element of each source's region in dst
+    chunk_tensor,               # *int32 [n_programs]: the source tensor program pid copies
+    chunk_start,                # *int64 [n_programs]: first element of program pid's chunk in it
+    dst,                        # *fp32 / *bf16 / *fp16: the flat bucket (1-D, contiguous)
+    scale,                      # fp32 scalar: every source element is multiplied by it (1.0: copy)
+    SRC_DTYPE: tl.constexpr,    # tl.float32 / tl.bfloat16 / tl.float16: dtype of every source
+    ACCUMULATE: tl.constexpr,   # True: dst += src * scale; False: dst = src * scale
+    DST_BF16: tl.constexpr,     # True when dst is bf16 (explicit round-to-nearest-even store)
+    SRC_ALIGNED: tl.constexpr,  # every source pointer is 16-byte aligned
+    DST_ALIGNED: tl.constexpr,  # dst and every region start are 16-byte aligned
+    BLOCK_SIZE: tl.constexpr,   # elements per iteration
+    N_ITERS: tl.constexpr,      # iterations per program
 ):
-    t = tl.program_id(0).to(tl.int64)            # which source tensor
-    blk = tl.program_id(1).to(tl.int64)          # which block of it
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.load(chunk_tensor + pid).to(tl.int64)
+    start = tl.load(chunk_start + pid)
     n = tl.load(numels + t)
-    offs = blk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = offs < n
     src = tl.load(src_table + t).to(tl.pointer_type(SRC_DTYPE))
-    x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32) * scale
-    d = dst + tl.load(dst_offsets + t) + offs
-    if ACCUMULATE:
-        x = x + tl.load(d, mask=mask, other=0.0).to(tl.float32)
-    if DST_BF16:
-        tl.store(d, _round_to_bf16(x), mask=mask)
-    else:
-        tl.store(d, x.to(d.dtype.element_ty), mask=mask)
+    d = dst + tl.load(dst_offsets + t)
+    if SRC_ALIGNED:
+        src = tl.multiple_of(src, 16)
+    if DST_ALIGNED:
+        d = tl.multiple_of(d, 16)
+    for i in range(N_ITERS):
+        block_start = start + i * BLOCK_SIZE
+        offs = block_start + tl.arange(0, BLOCK_SIZE).to(tl.int64)
+        offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_SIZE), BLOCK_SIZE)
+        full = block_start + BLOCK_SIZE <= n
+        if block_start < n:
+            mask = offs < n
+            if full:   # unmasked: 128-bit accesses when aligned
+                x = tl.load(src + offs).to(tl.float32) * scale
+                if ACCUMULATE:
+                    x = x + tl.load(d + offs).to(tl.float32)
+            else:
+                x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32) * scale
+                if ACCUMULATE:
+                    x = x + tl.load(d + offs, mask=mask, other=0.0).to(tl.float32)
+            if DST_BF16:
+                y = round_bf16_bits(x).to(tl.bfloat16, bitcast=True)
+            else:
+                y = x.to(d.dtype.element_ty)
+            if full:
+                tl.store(d + offs, y)
+            else:
+                tl.store(d + offs, y, mask=mask)
 
 
 @triton.jit
 def unflatten_kernel(
-    src,                      # *uintN: the flat bucket, viewed as raw bits of its element width
-    dst_table,                # *int64 [T]: data pointers of the T destination tensors
-    numels,                   # *int64 [T]: element count of each destination
-    src_offsets,              # *int64 [T]: first element of each destination's region in src
-    BITS_DTYPE: tl.constexpr, # tl.uint16 / tl.uint32: element width (a bit copy, no rounding)
-    BLOCK: tl.constexpr,      # elements handled by one program
+    src,                        # *uintN: the flat bucket, viewed as raw bits of its element width
+    dst_table,                  # *int64 [T]: data pointers of the T destination tensors
+    numels,                     # *int64 [T]: element count of each destination
+    src_offsets,                # *int64 [T]: first element of each destination's region in src
+    chunk_tensor,               # *int32 [n_programs]: the destination tensor program pid fills
+    chunk_start,                # *int64 [n_programs]: first element of program pid's chunk in it
+    BITS_DTYPE: tl.constexpr,   # tl.uint16 / tl.uint32: element width (a bit copy, no rounding)
+    SRC_ALIGNED: tl.constexpr,  # src and every region start are 16-byte aligned
+    DST_ALIGNED: tl.constexpr,  # every destination pointer is 16-byte aligned
+    BLOCK_SIZE: tl.constexpr,   # elements per iteration
+    N_ITERS: tl.constexpr,      # iterations per program
 ):
-    t = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1).to(tl.int64)
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.load(chunk_tensor + pid).to(tl.int64)
+    start = tl.load(chunk_start + pid)
     n = tl.load(numels + t)
-    offs = blk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = offs < n
-    x = tl.load(src + tl.load(src_offsets + t) + offs, mask=mask)
+    s = src + tl.load(src_offsets + t)
     dst = tl.load(dst_table + t).to(tl.pointer_type(BITS_DTYPE))
-    tl.store(dst + offs, x, mask=mask)
-
-
-def _table(values: Sequence[int], device) -> Tensor:
-    return torch.tensor(list(values), dtype=torch.int64, device=device)
+    if SRC_ALIGNED:
+        s = tl.multiple_of(s, 16)
+    if DST_ALIGNED:
+        dst = tl.multiple_of(dst, 16)
+    for i in range(N_ITERS):
+        block_start = start + i * BLOCK_SIZE
+        offs = block_start + tl.arange(0, BLOCK_SIZE).to(tl.int64)
+        offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_SIZE), BLOCK_SIZE)
+        if block_start + BLOCK_SIZE <= n:
+            tl.store(dst + offs, tl.load(s + offs))
+        elif block_start < n:
+            mask = offs < n
+            tl.store(dst + offs, tl.load(s + offs, mask=mask), mask=mask)
 
 
 def flatten_triton(tensors: Sequence[Tensor | None], out: Tensor, offsets: Sequence[int],
@@ -101,15 +137,18 @@ def flatten_triton(tensors: Sequence[Tensor | None], out: Tensor, offsets: Seque
         if t.dtype not in _TL:
             raise ValueError(f"flatten: unsupported source dtype {t.dtype}")
         by_dtype.setdefault(t.dtype, []).append((t.contiguous(), off))
+    esize = out.element_size()
     for dt, items in by_dtype.items():
         srcs = [t for t, _ in items]
-        numels = [t.numel() for t in srcs]
-        grid = (len(srcs), triton.cdiv(max(numels), BLOCK))
-        flatten_kernel[grid](
-            _table([t.data_ptr() for t in srcs], out.device), _table(numels, out.device),
-            _table([o for _, o in items], out.device), out,
+        numels, chunk_tensor, chunk_start = chunk_map(tuple(t.numel() for t in srcs), CHUNK, out.device)
+        flatten_kernel[(chunk_tensor.numel(),)](
+            pointer_table([t.data_ptr() for t in srcs], out.device), numels,
+            pointer_table([o for _, o in items], out.device), chunk_tensor, chunk_start, out,
             1.0 if scale is None else float(scale),
-            SRC_DTYPE=_TL[dt], ACCUMULATE=accumulate, DST_BF16=out.dtype == torch.bfloat16, BLOCK=BLOCK)
+            SRC_DTYPE=_TL[dt], ACCUMULATE=accumulate, DST_BF16=out.dtype == torch.bfloat16,
+            SRC_ALIGNED=aligned(t.data_ptr() for t in srcs),
+            DST_ALIGNED=aligned([out.data_ptr()] + [o * esize for _, o in items]),
+            BLOCK_SIZE=BLOCK, N_ITERS=ITERS, num_warps=4)
         del srcs  # keep the contiguous copies alive until the launch is queued
 
 
@@ -122,19 +161,37 @@ def unflatten_triton(flat: Tensor, tensors: Sequence[Tensor], offsets: Sequence[
         if t.dtype != flat.dtype or not t.is_contiguous():
             raise ValueError(f"unflatten: destinations must be contiguous {flat.dtype}, got {t.dtype}")
     bits = _BITS[flat.element_size()]
-    tbits = {tl.uint16: torch.int16, tl.uint32: torch.int32, tl.uint8: torch.uint8, tl.uint64: torch.int64}[bits]
-    numels = [t.numel() for t, _ in items]
-    grid = (len(items), triton.cdiv(max(numels), BLOCK))
-    unflatten_kernel[grid](flat.view(tbits), _table([t.data_ptr() for t, _ in items], flat.device),
-                           _table(numels, flat.device), _table([o for _, o in items], flat.device),
-                           BITS_DTYPE=bits, BLOCK=BLOCK)
+    esize = flat.element_size()
+    numels, chunk_tensor, chunk_start = chunk_map(tuple(t.numel() for t, _ in items), CHUNK, flat.device)
+    unflatten_kernel[(chunk_tensor.numel(),)](
+        flat.view(_TORCH_BITS[bits]), pointer_table([t.data_ptr() for t, _ in items], flat.device),
+        numels, pointer_table([o for _, o in items], flat.device), chunk_tensor, chunk_start,
+        BITS_DTYPE=bits, SRC_ALIGNED=aligned([flat.data_ptr()] + [o * esize for _, o in items]),
+        DST_ALIGNED=aligned(t.data_ptr() for t, _ in items), BLOCK_SIZE=BLOCK, N_ITERS=ITERS, num_warps=4)
 
 
-# (kernel, description) entries for the AOT codegen test; its owner adapts the format.
-CODEGEN_CASES = [
-    (flatten_kernel, "flatten bf16 grads -> fp32 bucket, copy, scale (SRC_DTYPE=bf16, ACCUMULATE=False, DST_BF16=False)"),
-    (flatten_kernel, "flatten fp32 grads -> fp32 bucket, accumulate (SRC_DTYPE=fp32, ACCUMULATE=True, DST_BF16=False)"),
-    (flatten_kernel, "flatten fp32 -> bf16 bucket, copy, RNE store (SRC_DTYPE=fp32, ACCUMULATE=False, DST_BF16=True)"),
-    (unflatten_kernel, "unflatten a 16-bit bucket (BITS_DTYPE=uint16)"),
-    (unflatten_kernel, "unflatten an fp32 bucket (BITS_DTYPE=uint32)"),
-]
+# Ahead-of-time codegen cases (format: kernels/adam.py). The streaming cases (everything aligned)
+# must compile to 128-bit global loads and stores; the unaligned ones only to spill-free code.
+def _codegen_cases() -> list:
+    flat_sig = dict(src_table="*i64", numels="*i64", dst_offsets="*i64", chunk_tensor="*i32",
+                    chunk_start="*i64", scale="fp32")
+    unflat_sig = dict(dst_table="*i64", numels="*i64", src_offsets="*i64", chunk_tensor="*i32",
+                      chunk_start="*i64")
+    names = {tl.float32: "fp32", tl.bfloat16: "bf16", tl.float16: "fp16"}
+    cases = []
+    for src, dst, acc in ((tl.bfloat16, "*fp32", False), (tl.float16, "*fp32", False),
+                          (tl.float32, "*fp32", True), (tl.float32, "*bf16", False)):
+        for al in (True, False):
+            ce = dict(SRC_DTYPE=src, ACCUMULATE=acc, DST_BF16=dst == "*bf16", SRC_ALIGNED=al,
+                      DST_ALIGNED=al, BLOCK_SIZE=BLOCK, N_ITERS=ITERS)
+            desc = f"flatten {names[src]} -> {dst[1:]}{' accumulate' if acc else ''}{'' if al else ' unaligned'}"
+            cases.append((flatten_kernel, dict(flat_sig, dst=dst), ce, desc, dict(streaming=al)))
+    for bits, sig in ((tl.uint16, "*u16"), (tl.uint32, "*u32")):
+        for al in (True, False):
+            ce = dict(BITS_DTYPE=bits, SRC_ALIGNED=al, DST_ALIGNED=al, BLOCK_SIZE=BLOCK, N_ITERS=ITERS)
+            cases.append((unflatten_kernel, dict(unflat_sig, src=sig), ce,
+                          f"unflatten {sig[1:]}{'' if al else ' unaligned'}", dict(streaming=al)))
+    return cases
+
+
+CODEGEN_CASES = _codegen_cases()
