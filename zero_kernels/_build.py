@@ -32,6 +32,9 @@ def cuda_sources(root: str | None = None) -> list[str]:
 
 # No -march=native: the binary must run on any x86-64. SIMD paths are selected at run time
 # (function-level target attributes + a CPU feature check in csrc/).
-CXX_FLAGS = ["-O3", "-std=c++17", "-fno-math-errno", "-Wall", "-Wno-unused-function"]
-NVCC_FLAGS = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo",
+# -std is left to torch.utils.cpp_extension (c++20 for torch 2.13: its headers need it).
+# -ffp-contract=off: the compiler must not fuse a*b+c on its own; every FMA in csrc/ is explicit,
+# so the vector body and the scalar tail round identically (bitwise equal results at any size).
+CXX_FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-Wall", "-Wno-unused-function"]
+NVCC_FLAGS = ["-O3", "--use_fast_math", "-lineinfo",
               "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
