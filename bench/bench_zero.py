@@ -1,16 +1,21 @@
 """ZeRO-1/2 vs DDP + torch fused AdamW vs ZeroRedundancyOptimizer on 2 gloo processes (1 thread each).
 
-    python bench/bench_zero.py [--steps 6] [--warmup 2] [--batch 64] [--variants ddp,zero_ro,...]
+    python bench/bench_zero.py [--rounds 12] [--warmup 2] [--batch 64] [--variants ddp,zero_ro,...] [--no-rss]
 
 Model: 4 x (Linear 1024->4096, GELU, Linear 4096->1024), ~33.6M fp32 parameters; batch 64; MSE loss.
-Per variant (each in fresh processes, so resident memory is its own):
-  step ms      median over --steps timed iterations of forward + backward + optimizer step + zero_grad
+Timing is INTERLEAVED (the machine is shared, so load drifts): one pair of processes builds every
+variant (its own model copy and optimizer), then each round runs one iteration of every variant,
+in a rotated order; the ratio columns are the median over rounds of the per-round ratio (the
+variants of one round ran within a few seconds of each other). A variant ``name:mode`` runs with
+``collectives.GLOO_MODE = mode`` (default "p2p", see [Note: gloo collectives]).
+  step ms      median over rounds of forward + backward + optimizer step + zero_grad
   fwd+bwd ms   median of forward + backward alone
   opt ms       median of the optimizer step (ZeRO: includes waiting for reduce-scatters / all-gathers)
   exposed ms   communication the step waits on after backward ended: ZeRO = time blocked in
                work.wait() (reduce-scatter + all-gather); DDP = backward with sync minus backward in
                no_sync() (DDP waits for its all-reduce at the end of backward)
-  rss MB       process resident memory after the timed steps (rank 0)
+  RSS MB       process resident memory after a few steps, each variant alone in fresh processes
+               (rank 0; skipped with --no-rss)
   states MB    model-state bytes this rank holds after step() (ZeRO: memory_report(); others: counted)
 """
 from __future__ import annotations
@@ -46,14 +51,84 @@ def rss_mb():
     return float("nan")
 
 
-def worker(rank, world, variant, steps, warmup, batch, out_q):
-    import zero_kernels as zk
+class Runner:
+    """One variant: its own model copy and optimizer; ``iteration()`` times one training step."""
+
+    def __init__(self, variant, rank, batch, waited):
+        import zero_kernels as zk
+        self.variant = variant
+        variant, *opts = variant.split("+")          # e.g. zero2:p2p+pool=0+inflight=8
+        base, _, self.mode = variant.partition(":")
+        self.mode = self.mode or "p2p"
+        self.model = model = make_model()
+        self.psi = sum(p.numel() for p in model.parameters())
+        g = torch.Generator().manual_seed(rank)
+        self.x = torch.randn(batch, 1024, generator=g)
+        self.y = torch.randn(batch, 1024, generator=g)
+        self.waited = waited
+        self.ddp = None
+        self.set_to_none = True
+        if base == "ddp":
+            self.ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+            self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            self.net = self.ddp
+        elif base == "zero_ro":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            self.ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+            self.opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
+            self.net = self.ddp
+        else:
+            stage = 1 if base.startswith("zero1") else 2
+            self.set_to_none = base != "zero1"       # zero1: .grad as bucket views (no flatten copy)
+            self.opt = zk.ZeroAdamW(model, stage=stage, lr=1e-4, overlap_comm=base != "zero2_nooverlap")
+            self.net = model
+            for o in opts:                            # stage-2 reducer knobs (hooks.py)
+                k, _, val = o.partition("=")
+                setattr(self.opt._reducer, {"pool": "pool_keep", "inflight": "max_inflight"}[k], int(val))
+        self.loss_fn = nn.MSELoss()
+        self.t_step, self.t_fb, self.t_opt, self.t_exp = [], [], [], []
+
+    def iteration(self, record: bool):
+        from zero_kernels.zero import collectives as C
+        C.GLOO_MODE = self.mode
+        dist.barrier()
+        self.waited[0] = 0.0
+        t0 = time.perf_counter()
+        self.loss_fn(self.net(self.x), self.y).backward()
+        t1 = time.perf_counter()
+        self.opt.step()
+        t2 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=self.set_to_none)
+        t3 = time.perf_counter()
+        exposed = self.waited[0]
+        if self.ddp is not None and record:
+            dist.barrier()
+            with self.ddp.no_sync():
+                s = time.perf_counter()
+                self.loss_fn(self.net(self.x), self.y).backward()
+                local = time.perf_counter() - s
+            self.opt.zero_grad(set_to_none=True)
+            exposed = max(0.0, (t1 - t0) - local)
+        if record:
+            self.t_step.append(t3 - t0)
+            self.t_fb.append(t1 - t0)
+            self.t_opt.append(t2 - t1)
+            self.t_exp.append(exposed)
+
+    def states(self):
+        """Model-state bytes after a step (call after step(), before zero_grad)."""
+        opt, psi = self.opt, self.psi
+        if hasattr(opt, "memory_report"):
+            return opt.memory_report()["total"], opt.backend
+        states = psi * 4 * 2   # params + grads
+        if self.ddp is not None and not hasattr(opt, "optim"):
+            return states + psi * 8, "torch fused"
+        owned = sum(p.numel() for p in opt.optim.param_groups[0]["params"])
+        return states + owned * 8, "torch"
+
+
+def _install_wait_timer():
     from zero_kernels.zero import collectives as C
-    model = make_model()
-    psi = sum(p.numel() for p in model.parameters())
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(batch, 1024, generator=g)
-    y = torch.randn(batch, 1024, generator=g)
     waited = [0.0]
     orig_wait = C.wait
 
@@ -63,117 +138,104 @@ def worker(rank, world, variant, steps, warmup, batch, out_q):
         waited[0] += time.perf_counter() - t
         return out
     C.wait = timed_wait
-    ddp = None
-    set_to_none = True
-    if variant == "ddp":
-        ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        net = ddp
-    elif variant == "zero_ro":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
-        net = ddp
-    else:
-        stage = 1 if variant.startswith("zero1") else 2
-        set_to_none = variant != "zero1"       # zero1: .grad as bucket views (no flatten copy)
-        opt = zk.ZeroAdamW(model, stage=stage, lr=1e-4, overlap_comm=variant != "zero2_nooverlap")
-        net = model
-    loss_fn = nn.MSELoss()
-    t_step, t_fb, t_opt, t_exp = [], [], [], []
-    for it in range(warmup + steps):
-        dist.barrier()
-        waited[0] = 0.0
-        t0 = time.perf_counter()
-        loss_fn(net(x), y).backward()
-        t1 = time.perf_counter()
-        opt.step()
-        t2 = time.perf_counter()
-        opt.zero_grad(set_to_none=set_to_none)
-        t3 = time.perf_counter()
-        exposed = waited[0]
-        if ddp is not None and it >= warmup:
-            dist.barrier()
-            with ddp.no_sync():
-                s = time.perf_counter()
-                loss_fn(net(x), y).backward()
-                local = time.perf_counter() - s
-            opt.zero_grad(set_to_none=True)
-            exposed = max(0.0, (t1 - t0) - local)
-        if it >= warmup:
-            t_step.append(t3 - t0)
-            t_fb.append(t1 - t0)
-            t_opt.append(t2 - t1)
-            t_exp.append(exposed)
-    # states after a step (before zero_grad) for the memory columns
-    loss_fn(net(x), y).backward()
-    opt.step()
-    if hasattr(opt, "memory_report"):
-        rep = opt.memory_report()
-        states = rep["total"]
-        backend = opt.backend
-    else:
-        states = psi * 4 * 2   # params + grads
-        if variant == "ddp":
-            states += psi * 8
-        else:
-            owned = sum(p.numel() for p in opt.optim.param_groups[0]["params"]) if hasattr(opt, "optim") else psi
-            states += owned * 8
-        backend = "torch fused" if variant == "ddp" else "torch"
-    rss = rss_mb()
-    res = dict(variant=variant, step=statistics.median(t_step) * 1e3, fb=statistics.median(t_fb) * 1e3,
-               opt=statistics.median(t_opt) * 1e3, exposed=statistics.median(t_exp) * 1e3, rss=rss,
-               states=states / 2**20, backend=backend, psi=psi)
+    return waited
+
+
+def timing_worker(rank, world, variants, rounds, warmup, batch, out_q):
+    waited = _install_wait_timer()
+    runners = [Runner(v, rank, batch, waited) for v in variants]
+    for r in range(warmup + rounds):
+        k = r % len(runners)
+        for run in runners[k:] + runners[:k]:          # rotate the order every round
+            run.iteration(record=r >= warmup)
+    res = {}
+    for run in runners:
+        run.loss_fn(run.net(run.x), run.y).backward()
+        run.opt.step()
+        states, backend = run.states()
+        run.opt.zero_grad(set_to_none=True)
+        res[run.variant] = dict(variant=run.variant, step=run.t_step, fb=run.t_fb, opt=run.t_opt,
+                                exposed=run.t_exp, states=states / 2**20, backend=backend, psi=run.psi)
     if rank == 0:
         out_q.put(res)
 
 
-def _entry(rank, world, port, args, q):
+def rss_worker(rank, world, variant, batch, out_q):
+    waited = _install_wait_timer()
+    run = Runner(variant, rank, batch, waited)
+    for _ in range(3):
+        run.iteration(record=False)
+    if rank == 0:
+        out_q.put(rss_mb())
+
+
+def _entry(rank, world, port, fn, args, q):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        worker(rank, world, *args, q)
+        fn(rank, world, *args, q)
     finally:
         dist.destroy_process_group()
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    a = ap.parse_args()
+def _spawn(fn, args):
     import torch.multiprocessing as mp
     from _dist import free_port
     ctx = mp.get_context("spawn")
-    rows = []
-    for v in a.variants.split(","):
-        q = ctx.SimpleQueue()
-        port = free_port()
-        ps = [ctx.Process(target=_entry, args=(r, 2, port, (v, a.steps, a.warmup, a.batch), q)) for r in range(2)]
-        for p in ps:
-            p.start()
-        for p in ps:
-            p.join()
-        if any(p.exitcode != 0 for p in ps):
-            print(f"{v}: failed", file=sys.stderr)
-            continue
-        rows.append(q.get())
-        r = rows[-1]
-        print(f"  {v}: step {r['step']:.0f} ms", file=sys.stderr, flush=True)
-    base = {r["variant"]: r["step"] for r in rows}
-    print(f"\n2 gloo ranks x 1 thread, {rows[0]['psi'] / 1e6:.1f}M params, batch {a.batch}, "
-          f"median of {a.steps} steps after {a.warmup} warm-up\n")
-    print("| variant | optimizer backend | step ms | vs DDP | vs ZeRO-RO | fwd+bwd ms | opt ms | exposed comm ms | RSS MB | states MB |")
+    q = ctx.SimpleQueue()
+    port = free_port()
+    ps = [ctx.Process(target=_entry, args=(r, 2, port, fn, args, q)) for r in range(2)]
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join()
+    if any(p.exitcode != 0 for p in ps):
+        raise RuntimeError(f"{fn.__name__}{args[:1]}: a worker failed")
+    return q.get()
+
+
+def _ratio(num, den):
+    return statistics.median(a / b for a, b in zip(num, den))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--no-rss", action="store_true")
+    a = ap.parse_args()
+    variants = a.variants.split(",")
+    with open("/proc/loadavg") as f:
+        load0 = f.read().split()[:3]
+    res = _spawn(timing_worker, (variants, a.rounds, a.warmup, a.batch))
+    with open("/proc/loadavg") as f:
+        load1 = f.read().split()[:3]
+    rss = {}
+    if not a.no_rss:
+        for v in variants:
+            if ":" not in v and "+" not in v:          # comparison variants: timing only
+                rss[v] = _spawn(rss_worker, (v, a.batch))
+    med = statistics.median
+    psi = next(iter(res.values()))["psi"]
+    print(f"\n`python {' '.join(sys.argv)}`: 2 gloo ranks x 1 thread, {psi / 1e6:.1f}M params, batch {a.batch}, "
+          f"{a.rounds} interleaved rounds after {a.warmup} warm-up; load average before {' '.join(load0)}, "
+          f"after {' '.join(load1)}\n")
+    print("| variant | optimizer backend | step ms | vs DDP | vs ZeRO-RO | fwd+bwd ms | opt ms | exposed comm ms "
+          "| RSS MB | states MB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        vd = f"{r['step'] / base['ddp']:.2f}x" if "ddp" in base else "-"
-        vz = f"{r['step'] / base['zero_ro']:.2f}x" if "zero_ro" in base else "-"
-        print(f"| {r['variant']} | {r['backend']} | {r['step']:.0f} | {vd} | {vz} | {r['fb']:.0f} | {r['opt']:.0f} | "
-              f"{r['exposed']:.0f} | {r['rss']:.0f} | {r['states']:.0f} |")
+    for v in variants:
+        r = res[v]
+        vd = f"{_ratio(r['step'], res['ddp']['step']):.2f}x" if "ddp" in res else "-"
+        vz = f"{_ratio(r['step'], res['zero_ro']['step']):.2f}x" if "zero_ro" in res else "-"
+        rs = f"{rss[v]:.0f}" if v in rss else "-"
+        print(f"| {v} | {r['backend']} | {med(r['step']) * 1e3:.0f} | {vd} | {vz} | {med(r['fb']) * 1e3:.0f} | "
+              f"{med(r['opt']) * 1e3:.0f} | {med(r['exposed']) * 1e3:.0f} | {rs} | {r['states']:.0f} |")
+    print("\nratios: median over rounds of (variant step / reference step) in the same round. Targets: "
+          "ZeRO-2 (zero2) <= 1.0x DDP; ZeRO-1 (zero1) <= 0.9x ZeRO-RO.")
 
 
 if __name__ == "__main__":

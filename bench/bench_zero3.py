@@ -157,12 +157,19 @@ def main():
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--malloc-cache", action="store_true",
+                    help="for every variant: glibc keeps freed large blocks (MALLOC_MMAP_THRESHOLD_ / "
+                         "MALLOC_TRIM_THRESHOLD_ = 1 GiB), i.e. a caching allocator: re-allocated "
+                         "multi-MB buffers are not page-faulted in again")
     a = ap.parse_args()
+    if a.malloc_cache:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(2**30)
+        os.environ["MALLOC_TRIM_THRESHOLD_"] = str(2**30)
     import torch.multiprocessing as mp
     from _dist import free_port
     ctx = mp.get_context("spawn")
     runs: dict[str, list[dict]] = {}
-    variants = a.variants.split(",")
+    variants = list(dict.fromkeys(a.variants.split(",")))
     for rep in range(a.repeats):
         for v in (variants if rep % 2 == 0 else variants[::-1]):      # interleaved, alternating order
             q = ctx.SimpleQueue()
@@ -194,7 +201,8 @@ def main():
         rows.append(med)
     base = {r["variant"]: r["step"] for r in rows}
     print(f"\n2 gloo ranks x 1 thread, {rows[0]['psi'] / 1e6:.1f}M fp32 params, batch {a.batch}/rank, "
-          f"median of {a.steps} steps after {a.warmup} warm-up, median over {a.repeats} interleaved repeats\n")
+          f"median of {a.steps} steps after {a.warmup} warm-up, median over {a.repeats} interleaved repeats"
+          f"{', malloc cache' if a.malloc_cache else ', default glibc malloc'}\n")
     print("| variant | step ms (runs) | vs FSDP2 | vs ZeRO-2 | fwd+bwd ms | opt ms | waited ms | exposed ms | "
           "RSS MB | states MB | peak gathered MB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

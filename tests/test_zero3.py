@@ -269,6 +269,16 @@ def _case_storage_release():
     out.float().pow(2).mean().backward()
     assert trainable_storage_bytes(model) == 0                        # and after backward
     opt.step()
+    opt.zero_grad()
+    # From the second forward on, the last unit of the forward order stays gathered for backward
+    # (it is the first one backward needs); every other unit is released.
+    out = model(x)
+    assert all(p.numel() == 0 and p.untyped_storage().nbytes() == 0 for m in list(model)[:-1]
+               for p in m.parameters(recurse=False))
+    assert all(p.untyped_storage().nbytes() > 0 for p in model[-1].parameters())
+    out.float().pow(2).mean().backward()
+    assert trainable_storage_bytes(model) == 0
+    opt.step()
     rep = opt.memory_report()
     assert trainable_storage_bytes(model) == 0
     assert rep["gathered_params"] == 0

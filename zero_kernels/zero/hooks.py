@@ -21,6 +21,15 @@
    got no gradient on this rank are completed with zeros and launched.
 5. The reduced (averaged) slice is added into the bucket's ``grad_slice`` (accumulation over backwards
    without ``no_sync`` works too); the full-size buffer is freed once its collective completes.
+6. Full-size buffers are recycled (``pool_keep``, set by ZeroAdamW for stage 2; 0 = allocate and
+   free every time, as stage 3 does): a fresh multi-MB buffer is page-faulted in (the kernel zeroes
+   every page) on every backward, which made the flatten copy several times slower than a copy into
+   warm memory (2 gloo ranks, 33.6M-param MLP: copy_ 115 -> ~40 ms per backward; step 1.46x -> 1.20x
+   DDP in the same run). At most
+   ``pool_keep`` buffers of the largest bucket's size are kept between steps, and never more than
+   the gradient slice's own size (so a one-bucket model keeps none); memory_report() lists them
+   as ``comm_buffers``. At most ``max_inflight`` reduce-scatters stay in flight during backward
+   (see ``_reap``), so few buffers are live at once.
 """
 from __future__ import annotations
 
@@ -54,6 +63,9 @@ class Stage2Reducer:
         self.expected_count = [len(b.params) for b in buckets]
         self.arrived_expected = [0] * len(buckets)
         self.late = [False] * len(buckets)
+        self.pool: list[torch.Tensor] = []  # free full-size buffers (see note, point 6)
+        self.pool_keep = 0
+        self._pool_numel = max((b.spec.padded_numel for b in buckets), default=0)
 
     def set_expected(self, flags_per_bucket: list[list[bool]]) -> None:
         self.expected = flags_per_bucket
@@ -68,6 +80,25 @@ class Stage2Reducer:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+    def _take(self, b: FlatBucket) -> torch.Tensor:
+        """A full-size buffer for bucket b (recycled when possible, contents undefined)."""
+        if self.pool_keep > 0:
+            buf = self.pool.pop() if self.pool else torch.empty(self._pool_numel, dtype=self.reduce_dtype,
+                                                                  device=b.device)
+            return buf[:b.spec.padded_numel]
+        return torch.empty(b.spec.padded_numel, dtype=self.reduce_dtype, device=b.device)
+
+    def _give(self, buf: torch.Tensor | None) -> None:
+        """Return a full-size buffer taken by _take (kept if the pool has room, else freed)."""
+        if buf is None or self.pool_keep <= 0 or buf._base is None or buf._base.numel() != self._pool_numel:
+            return
+        slice_numel = sum(b.spec.shard_numel for b in self.buckets)
+        if len(self.pool) < self.pool_keep and (len(self.pool) + 1) * self._pool_numel <= slice_numel:
+            self.pool.append(buf._base)
+
+    def pool_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.pool)
 
     def _hook(self, bucket: FlatBucket, li: int):
         def hook(p: torch.nn.Parameter) -> None:
@@ -109,7 +140,7 @@ class Stage2Reducer:
         if b.pending is not None:           # the previous backward's reduction still owns b.acc
             self.finish(b)
         if b.acc is None:
-            b.acc = torch.empty(b.spec.padded_numel, dtype=self.reduce_dtype, device=b.device)
+            b.acc = self._take(b)
             b.acc_fresh = True
         items = sorted(b.stash.items())
         if b.acc_fresh:
@@ -141,7 +172,7 @@ class Stage2Reducer:
         if b.stash:
             self._flatten(b)
         if b.acc is None:                   # nothing arrived on this rank: contribute zeros
-            b.acc = torch.zeros(b.spec.padded_numel, dtype=self.reduce_dtype, device=b.device)
+            b.acc = self._take(b).zero_()
         if b.grad_slice is None:
             b.grad_slice = torch.empty(b.spec.shard_numel, dtype=self.reduce_dtype, device=b.device)
             out, b.pending_add = b.grad_slice, None
@@ -153,8 +184,13 @@ class Stage2Reducer:
         b.acc_unlaunched = False
         self.inflight.append(b)
 
+    max_inflight = 2    # reduce-scatters kept in flight during backward (see _reap)
+
     def _reap(self) -> None:
-        """Free full-size buffers of collectives that already completed (no waiting)."""
+        """Free full-size buffers of collectives that already completed (no waiting); beyond
+        ``max_inflight``, wait for the oldest (gloo point-to-point handles cannot report completion
+        without a wait, see [Note: gloo collectives]; the oldest has usually finished by then), so
+        stage 2 holds at most a few full-size buckets during backward."""
         keep = []
         for b in self.inflight:
             w = b.pending.work if b.pending is not None else None
@@ -162,6 +198,8 @@ class Stage2Reducer:
                 self.finish(b)
             else:
                 keep.append(b)
+        while len(keep) > self.max_inflight:
+            self.finish(keep.pop(0))
         self.inflight = keep
 
     def post_backward(self) -> None:
@@ -192,11 +230,17 @@ class Stage2Reducer:
         """Wait for b's reduce-scatter, fold it into grad_slice, free the full-size buffer."""
         if b.pending is None:
             return
-        C.wait(b.pending)
+        t = getattr(self, "timeout", None)          # ZeroAdamW(timeout=...): bounded during backward too
+        if t is not None and C.current_timeout() is None:
+            with C.timeout_scope(t, self.group):
+                C.wait(b.pending)
+        else:
+            C.wait(b.pending)
         if b.pending_add is not None:
             b.grad_slice.add_(b.pending_add)
         b.pending = None
         b.pending_add = None
+        self._give(b.acc)
         b.acc = None
 
     def finish_all(self) -> None:
@@ -209,6 +253,7 @@ class Stage2Reducer:
         self.finish_all()
         for b in self.buckets:
             b.stash.clear()
+            self._give(b.acc)
             b.acc = None
             b.acc_unlaunched = False
             b.late_acc = None

@@ -187,12 +187,15 @@ class ZeroAdamW(torch.optim.Optimizer):
         if stage == 2:
             self._reducer = Stage2Reducer(self.buckets, process_group, reduce_dtype, overlap_comm,
                                           self._mark_grad)
+            self._reducer.pool_keep = 2     # recycle full-size buffers ([Note: stage-2 gradient flow], 6)
             self._reducer.register()
         self._s3 = None
         if stage == 3:
             from .stage3 import Stage3
             self._s3 = Stage3(self, units, prefetch, reshard_after_forward)
             self._reducer = self._s3.reducer
+        if self._reducer is not None:                       # backward-time waits honour the timeout
+            self._reducer.timeout = self._timeout
 
     # ---- torch.optim.Optimizer plumbing -------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -493,6 +496,8 @@ class ZeroAdamW(torch.optim.Optimizer):
                     if base is None or not (base <= p.grad.data_ptr() < base + nb(b.grad_flat)):
                         rep["grads"] += nb(p.grad)
         rep["buffers"] = sum(nb(t) for t in self.module.buffers()) + sum(nb(p.data) for p in self._frozen)
+        # stage 2: recycled full-size reduce buffers kept between steps (not model states; hooks.py)
+        rep["comm_buffers"] = self._reducer.pool_bytes() if self._reducer is not None else 0
         rep["total"] = sum(rep[k] for k in ("params", "grads", "master_params", "exp_avg", "exp_avg_sq"))
         psi = self.layout.numel
         pbytes = self.buckets[0].param_flat.element_size()
@@ -706,8 +711,19 @@ def _with_timeout(fn):
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
-        with C.timeout_scope(getattr(self, "_timeout", None), getattr(self, "process_group", None)):
-            return fn(self, *args, **kwargs)
+        timeout = getattr(self, "_timeout", None)
+        with C.timeout_scope(timeout, getattr(self, "process_group", None)):
+            try:
+                return fn(self, *args, **kwargs)
+            except C.CollectiveTimeoutError:
+                raise
+            except RuntimeError as e:   # a peer failure surfacing when a collective is *issued*
+                msg = str(e)
+                if timeout is None or not any(k in msg for k in ("Connection closed", "Connection reset",
+                                                                   "Timed out", "timed out")):
+                    raise
+                raise C.CollectiveTimeoutError(C._timeout_message(
+                    f"a collective in {fn.__name__}()", None, self.process_group, timeout, 0.0, e)) from e
     return wrapper
 
 

@@ -132,7 +132,7 @@ def _slices_nonfinite(opt) -> Tensor:
 
 def _find_grad_scaler(opt):
     f = sys._getframe(2)
-    for _ in range(4):
+    for _ in range(12):                 # step's decorators/wrappers sit in between
         if f is None:
             break
         obj = f.f_locals.get("self")

@@ -37,8 +37,9 @@ Forward (module hooks on each unit): the pre-hook waits for the unit's all-gathe
 no prefetch did) and issues the async all-gathers of the next ``prefetch`` units of the forward
 call sequence recorded in the first forward; the post-hook frees the unit (``reshard_after_forward``)
 and registers a pre-backward hook (``Tensor.register_hook``) on every output that requires grad.
-The root unit is not freed after a forward that needs a backward (its outputs are the first to
-get gradients; FSDP2 does the same). A forward that runs *inside* backward (activation
+The root unit, and the last unit of the recorded forward order, are not freed after a forward
+that needs a backward: they are the first to get gradients (FSDP2 keeps its root the same way);
+this saves one all-gather per step. A forward that runs *inside* backward (activation
 checkpointing recomputation, ``torch._C._current_graph_task_id() != -1``) gathers and never frees:
 the unit is freed when its gradients are complete.
 Backward: the first output gradient of a unit (per call: a unit called twice has hooks on both
@@ -257,6 +258,10 @@ class Stage3:
                       for i, (n, m) in enumerate(units)]
         self.reducer = Stage3Reducer(self, opt.buckets, opt.process_group, opt.reduce_dtype, True,
                                      opt._mark_grad)
+        # Recycle up to 2 full-size fp32 gradient buffers between backwards (hooks.py note, point 6:
+        # a fresh multi-MB buffer is page-faulted in on every use); never more than the gradient
+        # slice's own size; reported as comm_buffers.
+        self.reducer.pool_keep = 2
         self.reducer.register()
         self.handles = []
         for u in self.units:
@@ -272,6 +277,7 @@ class Stage3:
         self._rec_bwd: list[int] = []
         self._fwd_pos = 0
         self._bwd_pos = 0
+        self._last_unit: int | None = None    # last unit of the forward: kept for backward
         self._in_forward = False
         self._final_queued = False
         self.gathered_bytes = 0
@@ -367,16 +373,20 @@ class Stage3:
                     needs_grad = True
             if self._in_forward:
                 self._rec_post.append(u.index)
+            keep_last = needs_grad and self._in_forward and u.index == self._last_unit
             if u.index == 0:
                 self._in_forward = False
                 if self.fwd_seq is None:
                     self.fwd_seq, self.fwd_post_seq = self._rec_fwd, self._rec_post
+                    rest = [i for i in self._rec_post if i != 0]
+                    self._last_unit = rest[-1] if rest else None
                 if self.reshard_after_forward:
                     for x in self.units[1:]:          # also prefetched units that did not run
-                        self._free_unit(x)
+                        if not (needs_grad and x.index == self._last_unit):
+                            self._free_unit(x)
                     if not needs_grad:
                         self._free_unit(u)
-            elif self.reshard_after_forward:
+            elif self.reshard_after_forward and not keep_last:
                 self._free_unit(u)
             return None
         return hook
@@ -456,6 +466,7 @@ class Stage3:
                     rep["grads"] += nb(p.grad)
         rep["buffers"] = sum(nb(t) for t in opt.module.buffers()) + sum(nb(p.data) for p in opt._frozen)
         rep["total"] = sum(rep[k] for k in ("params", "grads", "master_params", "exp_avg", "exp_avg_sq"))
+        rep["comm_buffers"] = self.reducer.pool_bytes()
         rep["gathered_params"] = sum(b.held_bytes() for b in bs)
         rep["peak_gathered_params"] = self.peak_gathered_bytes
         rep["peak_gathered_units"] = self.peak_gathered_units
