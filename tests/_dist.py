@@ -44,6 +44,17 @@ def _entry(rank, world_size, port, fn, args, err_q, collective_timeout):
 
 
 def run_world(fn, world_size: int, *args, timeout: float = 180.0, collective_timeout: float = 60.0) -> None:
+    """Run fn on a fresh world; retried once when the free port was taken in between (a race of
+    free_port(), not a failure of the code under test)."""
+    try:
+        _run_world(fn, world_size, *args, timeout=timeout, collective_timeout=collective_timeout)
+    except RuntimeError as e:
+        if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
+            raise
+        _run_world(fn, world_size, *args, timeout=timeout, collective_timeout=collective_timeout)
+
+
+def _run_world(fn, world_size: int, *args, timeout: float = 180.0, collective_timeout: float = 60.0) -> None:
     ctx = mp.get_context("spawn")
     err_q = ctx.SimpleQueue()
     port = free_port()

@@ -100,7 +100,22 @@ def _load_side(tmp, name, stage, bucket):
     opt = _opt(model, stage, bucket, lr=1234.0)
     before = opt.full_model_state_dict()
     assert not torch.equal(before["blocks.0.fc1.weight"], ref["at_save"]["blocks.0.fc1.weight"])  # negative control
-    opt.load_checkpoint(os.path.join(tmp, name))
+    # Record the saved element ranges this rank reads: exactly its own pieces, never the whole model.
+    requested = []
+    real_ranges = ck._saved_ranges
+    def counting(bspec, offset, numel):
+        for r in real_ranges(bspec, offset, numel):
+            requested.append(r[2])
+            yield r
+    ck._saved_ranges = counting
+    try:
+        opt.load_checkpoint(os.path.join(tmp, name))
+    finally:
+        ck._saved_ranges = real_ranges
+    own = sum(pc.numel for b in opt.buckets for pc in b.pieces)
+    assert sum(requested) == own, (name, sum(requested), own)
+    if _world() > 1:
+        assert sum(requested) < opt.layout.numel, f"{name}: rank {_rank()} read the whole model"
     assert opt.param_groups[0]["lr"] == 1e-3 and opt.param_groups[1]["weight_decay"] == 0.0
     got = opt.full_model_state_dict()
     for k, v in ref["at_save"].items():
