@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import math
 import os
 import socket
@@ -165,8 +166,11 @@ def _worker(rank: int, nproc: int, port: int, steps: int, stages: list[int], out
             row["mem_measured"] = rep["total"]
             row["mem_formula"] = pred["total"] if pred else float("nan")
         results[label] = row
+        del net, opt, model       # DDP reducers and ZeRO hooks hold the group: release them first
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "results.pt"))
+    gc.collect()
+    dist.barrier()               # no rank closes its gloo pairs while a peer is still communicating
     dist.destroy_process_group()
 
 
