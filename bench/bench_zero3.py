@@ -35,7 +35,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-VARIANTS = ["fsdp2", "zero2", "zero3_p0", "zero3_p1", "zero3_p2"]
+# zero3_pK: prefetch K with the gather cache (default); zero3_pK_nocache: gather_cache=False
+VARIANTS = ["fsdp2", "zero2", "zero3_p0", "zero3_p1", "zero3_p2", "zero3_p1_nocache"]
 
 
 def make_model():
@@ -95,8 +96,9 @@ def worker(rank, world, variant, steps, warmup, batch, out_q):
     elif variant == "zero2":
         opt = zopt = zk.ZeroAdamW(model, stage=2, lr=1e-4)
     else:
-        pf = int(variant.split("_p")[1])
-        opt = zopt = zk.ZeroAdamW(model, stage=3, lr=1e-4, prefetch=pf)
+        pf = int(variant.split("_p")[1].split("_")[0])      # zero3_p1, zero3_p1_nocache
+        opt = zopt = zk.ZeroAdamW(model, stage=3, lr=1e-4, prefetch=pf,
+                                  gather_cache=not variant.endswith("_nocache"))
     loss_fn = nn.MSELoss()
     t_step, t_fb, t_opt, t_wait = [], [], [], []
     for it in range(warmup + steps):

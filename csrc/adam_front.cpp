@@ -180,6 +180,16 @@ void unflatten_cpu(const at::Tensor& src, const std::vector<at::Tensor>& dsts,
   unflatten_cpu_launch(src, dsts, offsets);
 }
 
+at::Tensor cached_empty(int64_t numel, at::ScalarType dtype) {
+  TORCH_CHECK(numel >= 0, "cached_empty: numel must be >= 0, got ", numel);
+  return zk_cached_empty(numel, dtype);
+}
+
+void cache_set_limit(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "cache_set_limit: bytes must be >= 0, got ", bytes);
+  zk_cache_set_limit(bytes);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -224,4 +234,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "dsts[i] = cast(src[off_i : off_i + n_i]), one parallel pass (ZeRO buckets)",
         py::arg("src"), py::arg("dsts"), py::arg("offsets"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("cached_empty", &cached_empty,
+        "1-D CPU tensor whose resizable storage allocates from the gather cache "
+        "([Note: the gather cache], csrc/block_cache.cpp)",
+        py::arg("numel"), py::arg("dtype"));
+  m.def("cache_set_limit", &cache_set_limit, "bytes of freed blocks the gather cache keeps",
+        py::arg("bytes"));
+  m.def("cache_empty", &zk_cache_empty, "return every cached block to the system");
+  m.def("cache_stats", &zk_cache_stats,
+        "gather cache: cached_bytes, live_bytes, limit_bytes, hits, misses");
 }

@@ -17,7 +17,9 @@
 
 #include <ATen/ATen.h>
 
+#include <map>
 #include <optional>
+#include <string>
 #include <vector>
 
 #define ZK_FUSED_ADAM_ARGS                                                                   \
@@ -56,3 +58,9 @@ void zk_set_cpu_nt(bool nt16, bool nt32);
 // Streaming ceiling: in place, a += d; b += d; c += d over fp32 contiguous arrays of one numel
 // (reads 4 arrays, writes 3 back: Adam's access mix), same SIMD dispatch and thread pool.
 void stream_ceiling_cpu(at::Tensor& a, at::Tensor& b, at::Tensor& c, const at::Tensor& d);
+// Gather cache (csrc/block_cache.cpp, [Note: the gather cache]): a 1-D CPU tensor of `numel`
+// elements whose resizable storage allocates from a process-wide block cache.
+at::Tensor zk_cached_empty(int64_t numel, at::ScalarType dtype);
+void zk_cache_set_limit(int64_t bytes);   // bytes of freed blocks kept for reuse (trims now)
+void zk_cache_empty();                    // return every cached block to the system
+std::map<std::string, int64_t> zk_cache_stats();

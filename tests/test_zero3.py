@@ -401,6 +401,14 @@ def _memory_worker(rank, world, layers):
     # original fp32 module (released) and the 2 Psi of a full bf16 copy.
     assert grown < expect + rep["comm_buffers"] + 2 * psi, (grown, expect, rep["comm_buffers"], psi)
     assert grown > 0.6 * expect - 8e6, (grown, expect)
+    # The gather cache holds freed unit buffers for the next gathers (bounded by the working set);
+    # empty_cache() gives them back to the system, visibly in RSS.
+    cache = rep["gather_cache"]
+    assert 0 < cache <= opt._s3.cache_limit, (cache, opt._s3.cache_limit)
+    opt.empty_cache()
+    assert opt.memory_report()["gather_cache"] == 0
+    released = grown - (rss() - base)
+    assert released > 0.9 * cache, (released, cache)
     opt.zero_grad()
     dist.barrier()
 
@@ -419,3 +427,97 @@ def test_memory_rss_world2():
                 os.environ.pop(k)
             else:
                 os.environ[k] = v
+
+
+# ---- the gather cache ([Note: the gather cache], csrc/block_cache.cpp) ------------------------------------
+def _cache_module_or_skip():
+    from zero_kernels.zero.stage3 import _cache_module
+    mod = _cache_module()
+    if mod is None:
+        if os.environ.get("ZK_REQUIRE_CPU") == "1":
+            raise RuntimeError("ZK_REQUIRE_CPU=1 but the C++ extension (gather cache) is unavailable")
+        pytest.skip("the C++ extension is unavailable: the gather cache is not built")
+    return mod
+
+
+def test_gather_cache_allocator():
+    mod = _cache_module_or_skip()
+    mod.cache_empty()
+    old_limit = mod.cache_stats()["limit_bytes"]
+    try:
+        mod.cache_set_limit(1 << 20)
+        t = mod.cached_empty(1001, torch.float32)                # odd size
+        assert t.shape == (1001,) and t.dtype == torch.float32 and t.untyped_storage().nbytes() == 4004
+        t.copy_(torch.arange(1001, dtype=torch.float32))
+        view = t[3:10]                                            # a saved view shares the storage
+        ptr = t.data_ptr()
+        s0 = mod.cache_stats()
+        t.untyped_storage().resize_(0)                            # free: the block goes to the cache
+        s1 = mod.cache_stats()
+        assert t.untyped_storage().nbytes() == 0 and s1["cached_bytes"] == s0["cached_bytes"] + 4004
+        t.untyped_storage().resize_(4004)                         # gather: the same block comes back
+        s2 = mod.cache_stats()
+        assert t.data_ptr() == ptr and s2["hits"] == s1["hits"] + 1 and s2["cached_bytes"] == s0["cached_bytes"]
+        t.fill_(7.0)
+        assert torch.equal(view, torch.full((7,), 7.0))           # the view sees the storage's new block
+        # a request up to 1/4 smaller reuses a cached block; a larger one does not
+        t.untyped_storage().resize_(0)
+        u = mod.cached_empty(900, torch.float32)                  # 3600 B <= 4004 <= 3600 * 5/4
+        assert mod.cache_stats()["hits"] == s2["hits"] + 1 and u.data_ptr() == ptr
+        w = mod.cached_empty(2000, torch.float32)                 # 8000 B: a new block
+        assert mod.cache_stats()["misses"] == s2["misses"] + 1
+        # the limit: a freed block that would exceed it goes back to the system
+        mod.cache_set_limit(5000)
+        del u
+        assert mod.cache_stats()["cached_bytes"] == 4004
+        del w
+        assert mod.cache_stats()["cached_bytes"] == 4004          # 8000 more would exceed 5000
+        mod.cache_empty()
+        assert mod.cache_stats()["cached_bytes"] == 0
+        with pytest.raises(RuntimeError, match="numel must be >= 0"):
+            mod.cached_empty(-1, torch.float32)
+    finally:
+        mod.cache_set_limit(old_limit)
+
+
+def _case_gather_cache():
+    """Cache on and off give bitwise the same training; with the cache the gathers of a step reuse
+    blocks (hits), storages are still released between uses, and empty_cache() releases the cache."""
+    from zero_kernels.zero.stage3 import gather_cache_stats
+    runs = {}
+    for cached in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(33, 65), nn.GELU(), nn.Linear(65, 65), nn.GELU(), nn.Linear(65, 7))
+        before = [p.detach().clone() for p in model.parameters()]
+        opt = zk.ZeroAdamW(model, stage=3, lr=1e-2, param_dtype=torch.bfloat16, backend="cpu",
+                           gather_cache=cached)
+        s0 = gather_cache_stats()
+        for s in range(4):
+            x = torch.randn(5, 33, generator=torch.Generator().manual_seed(s + dist.get_rank())).bfloat16()
+            model(x).float().pow(2).mean().backward()
+            assert trainable_storage_bytes(model) == 0                # released between uses
+            opt.step()
+            opt.zero_grad()
+        s1 = gather_cache_stats()
+        if cached:
+            # 3 units x (forward + backward) x 4 steps gathers; after the first ones all reuse blocks
+            assert s1["hits"] - s0["hits"] >= 12, (s0, s1)
+            assert opt.memory_report()["gather_cache"] > 0
+            opt.empty_cache()
+            assert opt.memory_report()["gather_cache"] == 0
+        else:
+            assert s1["hits"] == s0["hits"] and opt.memory_report()["gather_cache"] == 0
+        with opt._s3.gathered():
+            runs[cached] = [p.detach().float().clone() for p in model.parameters()]
+        assert any(not torch.equal(a.float(), b) for a, b in zip(before, runs[cached])), "params did not move"
+    for a, b in zip(runs[False], runs[True]):
+        assert torch.equal(a, b)
+
+
+def test_gather_cache_world2():
+    _cache_module_or_skip()
+    run_world(_gather_cache_world, 2, timeout=180)
+
+
+def _gather_cache_world(rank, world):
+    _case_gather_cache()

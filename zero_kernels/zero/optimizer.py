@@ -60,7 +60,8 @@ class ZeroAdamW(torch.optim.Optimizer):
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
                  backend: str = "auto", alignment_bytes: int = 16,
                  loss_scale=None, growth_interval: int = 2000, timeout=None,
-                 prefetch: int = 1, reshard_after_forward: bool = True, wrap=None):
+                 prefetch: int = 1, reshard_after_forward: bool = True, wrap=None,
+                 gather_cache: bool = True):
         if weight_decay is None:
             weight_decay = 1e-2 if self._adamw else 0.0
         # ---- argument checks (identical on every rank: raise before any collective) ----------
@@ -72,6 +73,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
         if stage == 3 and (not isinstance(prefetch, int) or prefetch < 0):
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        if not isinstance(gather_cache, bool):
+            raise TypeError(f"gather_cache must be True or False, got {gather_cache!r}")
         _check_hparams(lr, betas, eps, weight_decay, where="")
         if not isinstance(bucket_size, int) or bucket_size <= 0:
             raise ValueError(f"bucket_size must be a positive int (bytes), got {bucket_size!r}")
@@ -165,6 +168,8 @@ class ZeroAdamW(torch.optim.Optimizer):
                 ps = [by_name[layout.params[i].name] for i in bs.params]
                 fb = _bucket_class(stage)(layout, bs.index, rank, ps, device, amsgrad=any(
                     g["amsgrad"] for g in self.param_groups))
+                if stage == 3:
+                    fb.use_gather_cache = gather_cache     # [Note: the gather cache]
                 fb.bind([p.detach() for p in ps])
                 self.buckets.append(fb)
             if param_dtype is not None:
@@ -476,6 +481,13 @@ class ZeroAdamW(torch.optim.Optimizer):
                     grad_scale=scale)
 
     # ---- introspection ------------------------------------------------------------------------------
+    def empty_cache(self) -> None:
+        """Stage 3 on CPU: return the freed gathered-parameter buffers kept for reuse to the
+        system (``memory_report()["gather_cache"]``), as ``torch.cuda.empty_cache()`` does for the
+        CUDA caching allocator. The next gathers allocate (and page-fault) fresh buffers."""
+        from .stage3 import empty_gather_cache
+        empty_gather_cache()
+
     def memory_report(self) -> dict[str, Any]:
         """Bytes this rank holds for model states now (call after step()), and the formula's
         prediction for this stage, world size and dtypes (zero_kernels.memory.model_state_bytes)."""

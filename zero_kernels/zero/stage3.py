@@ -81,6 +81,39 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _cache_module():
+    """The C++ extension when it has the gather cache ([Note: the gather cache] in
+    csrc/block_cache.cpp), else None (then gathered buffers come from torch's allocator)."""
+    from .. import _ext
+    mod = _ext.cpu_module()
+    return mod if mod is not None and hasattr(mod, "cached_empty") else None
+
+
+def _full_buffer(numel: int, dtype: torch.dtype, device: torch.device, cached: bool) -> Tensor:
+    """A unit bucket's full parameter buffer. On CPU with ``cached``, its storage allocates from the
+    gather cache, so the resize_(0) / resize_(n) of every free / gather reuses a block instead of
+    page-faulting a fresh one in (GPUs get the same from the CUDA caching allocator)."""
+    if cached and device.type == "cpu":
+        mod = _cache_module()
+        if mod is not None:
+            return mod.cached_empty(numel, dtype)
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def gather_cache_stats() -> dict[str, int]:
+    """Process-wide gather cache counters (all zero when the extension is unavailable)."""
+    mod = _cache_module()
+    if mod is None:
+        return {"cached_bytes": 0, "live_bytes": 0, "limit_bytes": 0, "hits": 0, "misses": 0}
+    return dict(mod.cache_stats())
+
+
+def empty_gather_cache() -> None:
+    mod = _cache_module()
+    if mod is not None:
+        mod.cache_empty()
+
+
 # ---- unit policy --------------------------------------------------------------------------------
 def _unit_modules(model: nn.Module, wrap) -> list[tuple[str, nn.Module]]:
     if wrap is None:
@@ -149,9 +182,11 @@ def assign_units(model: nn.Module, trainable: Sequence[tuple[str, nn.Parameter]]
 class UnitBucket(FlatBucket):
     """A FlatBucket whose full parameter buffer exists only while gathered ([Note: stage-3 storage])."""
 
+    use_gather_cache = False          # set by ZeroAdamW(gather_cache=...) before bind()
+
     def bind(self, originals: Sequence[Tensor]) -> None:
         spec = self.spec
-        flat = torch.zeros(spec.padded_numel, dtype=self.dtype, device=self.device)
+        flat = _full_buffer(spec.padded_numel, self.dtype, self.device, self.use_gather_cache).zero_()
         flatten(list(originals), flat, self.offsets)
         self.shard = flat[self.slice_start:self.slice_end].clone()
         if self.dtype == torch.float32:
@@ -263,6 +298,14 @@ class Stage3:
         # slice's own size; reported as comm_buffers.
         self.reducer.pool_keep = 2
         self.reducer.register()
+        # Gather cache limit: the gathered working set (root + current + prefetched + the unit
+        # kept for backward), so every gather of a step can reuse a block and nothing more is kept.
+        unit_bytes = [sum(b.full_bytes for b in u.buckets) for u in self.units]
+        largest = max(unit_bytes[1:], default=0)
+        self.cache_limit = unit_bytes[0] + (2 + prefetch) * largest
+        mod = _cache_module() if any(getattr(b, "use_gather_cache", False) for b in opt.buckets) else None
+        if mod is not None:
+            mod.cache_set_limit(max(self.cache_limit, mod.cache_stats()["limit_bytes"]))
         self.handles = []
         for u in self.units:
             if u.buckets or u.index == 0:
@@ -467,6 +510,8 @@ class Stage3:
         rep["buffers"] = sum(nb(t) for t in opt.module.buffers()) + sum(nb(p.data) for p in opt._frozen)
         rep["total"] = sum(rep[k] for k in ("params", "grads", "master_params", "exp_avg", "exp_avg_sq"))
         rep["comm_buffers"] = self.reducer.pool_bytes()
+        # freed gathered buffers kept for reuse (process-wide; ZeroAdamW.empty_cache() releases them)
+        rep["gather_cache"] = gather_cache_stats()["cached_bytes"]
         rep["gathered_params"] = sum(b.held_bytes() for b in bs)
         rep["peak_gathered_params"] = self.peak_gathered_bytes
         rep["peak_gathered_units"] = self.peak_gathered_units
