@@ -185,7 +185,8 @@ def zero_run(cfg, group=None, seed=0):
     opt = cls(model, stage=cfg["stage"], process_group=group, bucket_size=cfg.get("bucket_size", 25 * 2**20),
               overlap_comm=cfg.get("overlap", True), param_dtype=torch.bfloat16 if bf16 else None,
               backend=cfg.get("backend", "reference"),
-              param_groups=groups_for(model) if cfg.get("groups") else None, **kw)
+              param_groups=groups_for(model) if cfg.get("groups") else None,
+              overlap_param_gather=cfg.get("opg", False), **kw)
     assert model.emb.weight is emb_param and model.head.weight is emb_param   # same Parameter objects
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) if cfg.get("sched") else None
     acc = cfg.get("accum", 1)
@@ -263,6 +264,8 @@ PARITY = [
     dict(stage=2, accum=2, no_sync=False),                                    # accumulate into the slice
     dict(stage=1, accum=2, bucket_size=64),
     dict(stage=2, optim="adam", bucket_size=100),                             # Adam L2, amsgrad, maximize
+    dict(stage=2, opg=True, bucket_size=64, clip=(0.05, 2.0)),                # all-gathers wait in forward
+    dict(stage=1, opg=True, dtype="bf16", bucket_size=100),
 ]
 
 
@@ -292,6 +295,7 @@ def _world_cases(rank, world):
         run("state_dict round trip", _case_state_dict)
         run("mismatched models raise", lambda: _case_mismatch(rank))
         run("overlap: reduce-scatter issued before backward ends", _case_overlap)
+        run("overlap_param_gather: all-gathers finish in the next forward", lambda: _case_param_gather(rank))
         run("rank-dependent unused parameter", lambda: _case_rank_unused(rank))
     if world == 4:
         run("2x2 mesh", lambda: _case_mesh(rank))
@@ -339,6 +343,61 @@ def _case_mismatch(rank):
         zk.ZeroAdamW(m, stage=2, backend="reference")
     assert m[0].weight is w and m[0].weight.data_ptr() == w.data_ptr()   # untouched
     dist.barrier()
+
+
+def _case_param_gather(rank):
+    """overlap_param_gather=True: step() returns with the parameter all-gathers in flight, issued in
+    forward order; each module's forward waits for its own buckets. Rank 1 posts its all-gathers
+    0.5 s late (an injected delay), so on rank 0 the parameters right after step() are provably
+    stale on rank 1's slices, and correct once forward ran."""
+    from zero_kernels.zero import collectives as C
+    model = make_model()
+    opt = zk.ZeroAdamW(model, stage=2, bucket_size=64, backend="reference", overlap_param_gather=True)
+    assert len(opt.buckets) >= 4
+    nd = dist.get_world_size()
+    orig = C.all_gather_bucket
+    delayed = []
+
+    def late_all_gather(*a, **k):
+        if rank == 1 and not delayed:
+            delayed.append(1)
+            time.sleep(0.5)
+        return orig(*a, **k)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for s in range(2):
+        idx, tgt = batch(s, nd)
+        rows = slice(rank * B, (rank + 1) * B)
+        loss_fn(model, idx[rows], tgt[rows]).backward()
+        C.all_gather_bucket = late_all_gather
+        C.TRACE = []
+        try:
+            t0 = time.perf_counter()
+            opt.step()
+            returned = time.perf_counter() - t0
+        finally:
+            C.all_gather_bucket = orig
+        ag = [tag for kind, tag, _ in C.TRACE if kind == "all_gather"]
+        C.TRACE = None
+        assert ag == sorted(ag, reverse=True) and len(ag) == len(opt.buckets), ag   # forward order
+        assert len(opt._pending_gathers) > 0, "step() waited for the all-gathers"
+        stale = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        opt.zero_grad()
+        with torch.no_grad():
+            model(idx[rows])                # the forward pre-hooks wait bucket by bucket
+        assert not opt._pending_gathers
+        params = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        full = opt.full_model_state_dict()
+        for n, p in params.items():        # every module's forward saw the new values
+            assert torch.equal(p, full[n]), n
+        if rank == 0 and s == 0:            # negative control: without the hooks reads were stale
+            assert returned < 0.4, returned
+            assert any(not torch.equal(stale[n], params[n]) for n in params)
+        delayed.clear()
+    opt.wait_for_params()                   # a no-op now
+    with pytest.raises(ValueError, match="overlap_param_gather is for stages 1 and 2"):
+        zk.ZeroAdamW(make_model(), stage=3, overlap_param_gather=True)
+    with pytest.raises(TypeError, match="overlap_param_gather must be True or False"):
+        zk.ZeroAdamW(make_model(), stage=2, overlap_param_gather=1)
 
 
 def _case_overlap():

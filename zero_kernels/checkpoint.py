@@ -229,6 +229,7 @@ def save_checkpoint(opt, path, keep: int = 1) -> str:
     """Collective. Writes a new version under the root ``path``; returns its directory.
 
     Call between steps (after ``step()``/``zero_grad()``): pending gradients are not saved."""
+    opt.wait_for_params()              # overlap_param_gather: parameters settled first
     root = os.fspath(path)
     rank = opt.rank
     err = None
@@ -465,6 +466,7 @@ def load_checkpoint(opt, path, verify: bool = False) -> None:
     _agree(err, opt, "load_checkpoint")
     new_state, new16, meta, rest, shards = staged
     # ---- apply (every rank succeeded) ----
+    opt.wait_for_params()              # no all-gather may still be writing the parameters
     for b in opt.buckets:
         st = b.state_tensors()
         for k, t in st.items():

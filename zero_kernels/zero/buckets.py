@@ -42,6 +42,7 @@ class FlatBucket:
         self.max_exp_avg_sq: Tensor | None = None
         # Gradients.
         self.grad_slice: Tensor | None = None               # reduced (averaged) slice, reduce dtype
+        self.spare_slice: Tensor | None = None              # stage 2/3: grad_slice storage kept by zero_grad()
         self.grad_flat: Tensor | None = None                # stage-1 views path (working dtype)
         self.acc: Tensor | None = None                      # stage-2 full-size accumulation buffer
         self.acc_fresh = False                              # acc allocated but not yet written

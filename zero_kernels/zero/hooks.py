@@ -21,6 +21,9 @@
    got no gradient on this rank are completed with zeros and launched.
 5. The reduced (averaged) slice is added into the bucket's ``grad_slice`` (accumulation over backwards
    without ``no_sync`` works too); the full-size buffer is freed once its collective completes.
+   ``zero_grad()`` drops the gradient but keeps the slice's storage (``spare_slice``) for the next
+   backward: the slice is part of stage 2's persistent 4 Psi / Nd anyway, and a fresh multi-MB
+   slice would be page-faulted in (and its old one unmapped) on every step.
 6. Full-size buffers are recycled (``pool_keep``, set by ZeroAdamW for stage 2; 0 = allocate and
    free every time, as stage 3 does): a fresh multi-MB buffer is page-faulted in (the kernel zeroes
    every page) on every backward, which made the flatten copy several times slower than a copy into
@@ -173,8 +176,10 @@ class Stage2Reducer:
             self._flatten(b)
         if b.acc is None:                   # nothing arrived on this rank: contribute zeros
             b.acc = self._take(b).zero_()
-        if b.grad_slice is None:
-            b.grad_slice = torch.empty(b.spec.shard_numel, dtype=self.reduce_dtype, device=b.device)
+        if b.grad_slice is None:            # reuse the storage zero_grad() kept (see note, point 5)
+            b.grad_slice = b.spare_slice if b.spare_slice is not None else torch.empty(
+                b.spec.shard_numel, dtype=self.reduce_dtype, device=b.device)
+            b.spare_slice = None
             out, b.pending_add = b.grad_slice, None
         else:                               # accumulate over backwards: reduce, then add on wait
             out = torch.empty_like(b.grad_slice)

@@ -61,7 +61,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                  backend: str = "auto", alignment_bytes: int = 16,
                  loss_scale=None, growth_interval: int = 2000, timeout=None,
                  prefetch: int = 1, reshard_after_forward: bool = True, wrap=None,
-                 gather_cache: bool = True):
+                 gather_cache: bool = True, overlap_param_gather: bool = False):
         if weight_decay is None:
             weight_decay = 1e-2 if self._adamw else 0.0
         # ---- argument checks (identical on every rank: raise before any collective) ----------
@@ -75,6 +75,11 @@ class ZeroAdamW(torch.optim.Optimizer):
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
         if not isinstance(gather_cache, bool):
             raise TypeError(f"gather_cache must be True or False, got {gather_cache!r}")
+        if not isinstance(overlap_param_gather, bool):
+            raise TypeError(f"overlap_param_gather must be True or False, got {overlap_param_gather!r}")
+        if overlap_param_gather and stage == 3:
+            raise ValueError("overlap_param_gather is for stages 1 and 2: stage 3 gathers parameters in "
+                             "forward already (see prefetch=)")
         _check_hparams(lr, betas, eps, weight_decay, where="")
         if not isinstance(bucket_size, int) or bucket_size <= 0:
             raise ValueError(f"bucket_size must be a positive int (bytes), got {bucket_size!r}")
@@ -181,6 +186,18 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._had_grad = torch.zeros(len(layout.params), dtype=torch.int32)   # stage 2: set by hooks
         self._arrived_step = torch.zeros(len(layout.params), dtype=torch.int32)  # stage 2, this step
         self._pindex = {id(b.params[li]): (b.index, li) for b in self.buckets for li in range(len(b.params))}
+        # [Note: overlapped parameter all-gather]
+        self.overlap_param_gather = overlap_param_gather
+        self._pending_gathers: dict[int, Any] = {}          # bucket index -> AllGatherResult in flight
+        self._gather_hooks = []
+        if overlap_param_gather:
+            owned: dict[nn.Module, set[int]] = {}
+            for mod in model.modules():
+                for p in mod.parameters(recurse=False):
+                    if id(p) in self._pindex:
+                        owned.setdefault(mod, set()).add(self._pindex[id(p)][0])
+            for mod, bis in owned.items():
+                self._gather_hooks.append(mod.register_forward_pre_hook(self._gather_hook(sorted(bis))))
         self._clip_coef: Tensor | None = None
         self._active_cache: Tensor | None = None
         self._reduced = False                               # stage 1: grads reduced for this step
@@ -248,7 +265,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         else:
             self._reducer.clear()
             for b in self.buckets:
-                if set_to_none:
+                if set_to_none:             # the storage is kept for the next backward (hooks.py, 5)
+                    if b.grad_slice is not None:
+                        b.spare_slice = b.grad_slice
                     b.grad_slice = None
                 elif b.grad_slice is not None:
                     b.grad_slice.zero_()
@@ -390,9 +409,37 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._clip_coef = torch.clamp(coef, max=1.0)
         return total
 
+    # ---- overlapped parameter all-gather -------------------------------------------------------------
+    # [Note: overlapped parameter all-gather]
+    # With overlap_param_gather=True (stages 1-2; Megatron's distributed optimizer has the same
+    # option) step() does not wait for the parameter all-gathers: it launches them in forward order
+    # (the last bucket holds the first layers) and returns. A forward pre-hook on every module that
+    # registers a parameter waits for that parameter's bucket just before the module runs, so the
+    # all-gather overlaps zero_grad(), data loading and the forward of earlier layers. Anything
+    # else that reads the parameters must call wait_for_params() first (step(), state dicts and
+    # checkpoints do): a parameter read outside the forward of a module registering it (e.g.
+    # ``F.linear(x, self.emb.weight)`` in a parent's forward, or an EMA copy right after step())
+    # would otherwise see its value from before the step. Default off for that reason.
+    def _gather_hook(self, bucket_indices: list[int]):
+        def hook(module, args):
+            if self._pending_gathers:
+                for bi in bucket_indices:
+                    g = self._pending_gathers.pop(bi, None)
+                    if g is not None:
+                        C.wait(g)
+        return hook
+
+    def wait_for_params(self) -> None:
+        """Wait for the parameter all-gathers step() left in flight (overlap_param_gather=True);
+        a no-op otherwise. Call before reading parameters outside their modules' forward."""
+        while self._pending_gathers:
+            _, g = self._pending_gathers.popitem()
+            C.wait(g)
+
     # ---- the step -----------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
+        self.wait_for_params()              # the step writes the slices the gathers read
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -427,11 +474,20 @@ class ZeroAdamW(torch.optim.Optimizer):
             if not bucket_active:
                 continue
             self._step_bucket(b, active, scale)
-            if self._s3 is None:            # stage 3: no all-gather, the next forward gathers
+            if self._s3 is not None:        # stage 3: no all-gather, the next forward gathers
+                continue
+            if self.overlap_param_gather:
+                gathers.append(b)
+            else:
                 gathers.append(C.all_gather_bucket(b.param_flat, self.rank, self.process_group,
                                                    async_op=self.overlap_comm, tag=b.index))
-        for g in gathers:
-            C.wait(g)
+        if self.overlap_param_gather:       # [Note: overlapped parameter all-gather]
+            for b in reversed(gathers):
+                self._pending_gathers[b.index] = C.all_gather_bucket(
+                    b.param_flat, self.rank, self.process_group, async_op=True, tag=b.index)
+        else:
+            for g in gathers:
+                C.wait(g)
         if self._s3 is not None:
             self._s3.after_step()           # gathered copies (if any) are stale now
         self._finish_step()
@@ -500,7 +556,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                "exp_avg_sq": sum(nb(b.exp_avg_sq) + nb(b.max_exp_avg_sq) for b in self.buckets)}
         seen = set()
         for b in self.buckets:
-            rep["grads"] += nb(b.grad_slice) + nb(b.grad_flat) + nb(b.acc)
+            rep["grads"] += nb(b.grad_slice) + nb(b.spare_slice) + nb(b.grad_flat) + nb(b.acc)
             base = b.grad_flat.data_ptr() if b.grad_flat is not None else None
             for p in b.params:
                 if p.grad is not None and id(p.grad) not in seen:
@@ -529,6 +585,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         """The full, unsharded model state dict on every rank (collective): trainable parameters as
         their fp32 masters (tied names each point at the same values), frozen parameters and
         buffers as the module holds them."""
+        self.wait_for_params()
         full: dict[str, Tensor] = {}
         for b in self.buckets:
             if b.master_is_param and self._s3 is None:
@@ -584,6 +641,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             for k, t in b.state_tensors().items():
                 if k not in st or st[k].shape != t.shape:
                     raise ValueError(f"shard bucket {b.index}: missing or mis-shaped {k!r}")
+        self.wait_for_params()
         for b, st in zip(self.buckets, states):
             for k, t in b.state_tensors().items():
                 t.copy_(st[k])

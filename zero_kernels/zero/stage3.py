@@ -499,7 +499,7 @@ class Stage3:
         nb = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
         bs = opt.buckets
         rep = {"params": sum(nb(b.shard) + b.held_bytes() for b in bs),
-               "grads": sum(nb(b.grad_slice) + nb(b.acc) + nb(b.late_acc) for b in bs),
+               "grads": sum(nb(b.grad_slice) + nb(b.spare_slice) + nb(b.acc) + nb(b.late_acc) for b in bs),
                "master_params": sum(0 if b.master_is_param else nb(b.master) for b in bs),
                "exp_avg": sum(nb(b.exp_avg) for b in bs),
                "exp_avg_sq": sum(nb(b.exp_avg_sq) + nb(b.max_exp_avg_sq) for b in bs)}
