@@ -14,6 +14,8 @@ variants of one round ran within a few seconds of each other). A variant ``name:
   exposed ms   communication the step waits on after backward ended: ZeRO = time blocked in
                work.wait() (reduce-scatter + all-gather); DDP = backward with sync minus backward in
                no_sync() (DDP waits for its all-reduce at the end of backward)
+  faults/iter  median minor page faults per iteration on rank 0 (4 KiB pages first touched: fresh
+               allocations the kernel must zero; glibc returns large freed blocks to the system)
   RSS MB       process resident memory after a few steps, each variant alone in fresh processes
                (rank 0; skipped with --no-rss)
   states MB    model-state bytes this rank holds after step() (ZeRO: memory_report(); others: counted)
@@ -43,6 +45,11 @@ def make_model():
     for _ in range(4):
         layers += [nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)]
     return nn.Sequential(*layers)
+
+
+def _minflt() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def rss_mb():
@@ -90,12 +97,14 @@ class Runner:
                 setattr(self.opt._reducer, {"pool": "pool_keep", "inflight": "max_inflight"}[k], int(val))
         self.loss_fn = nn.MSELoss()
         self.t_step, self.t_fb, self.t_opt, self.t_exp = [], [], [], []
+        self.faults = []                              # minor page faults per iteration (rank-local)
 
     def iteration(self, record: bool):
         from zero_kernels.zero import collectives as C
         C.GLOO_MODE = self.mode
         dist.barrier()
         self.waited[0] = 0.0
+        f0 = _minflt()
         t0 = time.perf_counter()
         self.loss_fn(self.net(self.x), self.y).backward()
         t1 = time.perf_counter()
@@ -103,6 +112,7 @@ class Runner:
         t2 = time.perf_counter()
         self.opt.zero_grad(set_to_none=self.set_to_none)
         t3 = time.perf_counter()
+        f1 = _minflt()
         exposed = self.waited[0]
         if self.ddp is not None and record:
             dist.barrier()
@@ -117,6 +127,7 @@ class Runner:
             self.t_fb.append(t1 - t0)
             self.t_opt.append(t2 - t1)
             self.t_exp.append(exposed)
+            self.faults.append(f1 - f0)
 
     def states(self):
         """Model-state bytes after a step (call after step(), before zero_grad)."""
@@ -158,7 +169,8 @@ def timing_worker(rank, world, variants, rounds, warmup, batch, out_q):
         states, backend = run.states()
         run.opt.zero_grad(set_to_none=True)
         res[run.variant] = dict(variant=run.variant, step=run.t_step, fb=run.t_fb, opt=run.t_opt,
-                                exposed=run.t_exp, states=states / 2**20, backend=backend, psi=run.psi)
+                                exposed=run.t_exp, states=states / 2**20, backend=backend, psi=run.psi,
+                                faults=run.faults)
     if rank == 0:
         out_q.put(res)
 
@@ -228,15 +240,16 @@ def main():
           f"{a.rounds} interleaved rounds after {a.warmup} warm-up; load average before {' '.join(load0)}, "
           f"after {' '.join(load1)}\n")
     print("| variant | optimizer backend | step ms | vs DDP | vs ZeRO-RO | fwd+bwd ms | opt ms | exposed comm ms "
-          "| RSS MB | states MB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| faults/iter | RSS MB | states MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for v in variants:
         r = res[v]
         vd = f"{_ratio(r['step'], res['ddp']['step']):.2f}x" if "ddp" in res else "-"
         vz = f"{_ratio(r['step'], res['zero_ro']['step']):.2f}x" if "zero_ro" in res else "-"
         rs = f"{rss[v]:.0f}" if v in rss else "-"
         print(f"| {v} | {r['backend']} | {med(r['step']) * 1e3:.0f} | {vd} | {vz} | {med(r['fb']) * 1e3:.0f} | "
-              f"{med(r['opt']) * 1e3:.0f} | {med(r['exposed']) * 1e3:.0f} | {rs} | {r['states']:.0f} |")
+              f"{med(r['opt']) * 1e3:.0f} | {med(r['exposed']) * 1e3:.0f} | {med(r['faults']):.0f} | {rs} | "
+              f"{r['states']:.0f} |")
     print("\nratios: median over rounds of (variant step / reference step) in the same round. Targets: "
           "ZeRO-2 <= 1.0x DDP; ZeRO-1 <= 0.9x ZeRO-RO (defaults: zero1/zero2; with overlap_param_gather: *_opg).")
 

@@ -45,7 +45,8 @@ class FlatBucket:
         self.spare_slice: Tensor | None = None              # stage 2/3: grad_slice storage kept by zero_grad()
         self.grad_flat: Tensor | None = None                # stage-1 views path (working dtype)
         self.acc: Tensor | None = None                      # stage-2 full-size accumulation buffer
-        self.acc_fresh = False                              # acc allocated but not yet written
+        self.acc_fresh = False                              # acc's round not sealed (hooks.py, 2)
+        self.acc_written: set[int] = set()                  # params a fresh acc holds a gradient of
         self.acc_unlaunched = False                         # acc holds gradients not yet reduced
         self.late_acc: Tensor | None = None                 # stage 2: grads after the launch
         self.stash: dict[int, Tensor] = {}                  # stage 2: grads handed over, not flattened

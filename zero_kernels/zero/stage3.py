@@ -31,6 +31,9 @@ into its slice, all-gathers, and points ``.data`` back at views of the buffer. T
 objects never change. Resizing the *same* storage (as FSDP2 does) matters for autograd: tensors
 saved in forward that are views of a parameter (``weight.t()`` in ``F.linear``) point into that
 storage; they do not keep the memory alive while freed, and are valid again once re-gathered.
+On CPU with ``gather_cache=True`` that storage allocates from the gather cache ([Note: the gather
+cache] in csrc/block_cache.cpp): the freed block is kept for the next gather instead of being
+page-faulted in again (at most ``Stage3.cache_limit`` bytes: the gathered working set).
 
 [Note: stage-3 hooks]
 Forward (module hooks on each unit): the pre-hook waits for the unit's all-gather (issuing it if
