@@ -49,7 +49,6 @@ class FlatBucket:
         self.acc_written: set[int] = set()                  # params a fresh acc holds a gradient of
         self.acc_unlaunched = False                         # acc holds gradients not yet reduced
         self.late_acc: Tensor | None = None                 # stage 2: grads after the launch
-        self.stash: dict[int, Tensor] = {}                  # stage 2: grads handed over, not flattened
         self.arrived = 0                                    # grads arrived in the current backward
         self.launched = False                               # reduce-scatter issued this backward
         self.pending = None                                 # ReduceScatterResult in flight

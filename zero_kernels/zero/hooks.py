@@ -130,8 +130,7 @@ class Stage2Reducer:
             flatten([g], b.late_acc, [b.offsets[li]], accumulate=True)
             self.late[b.index] = True
             return
-        b.stash[li] = g
-        self._flatten(b)                    # at once: the gradient is freed now (see note, point 2)
+        self._add_grad(b, li, g)            # at once: the gradient is freed now (see note, point 2)
         b.arrived += 1
         if self.expected[b.index][li]:
             self.arrived_expected[b.index] += 1
@@ -139,27 +138,19 @@ class Stage2Reducer:
             if self.sync and self.overlap_comm:
                 self._launch_ready()
 
-    def _flatten(self, b: FlatBucket) -> None:
-        """Move the stash into the accumulation buffer: a parameter's first gradient in a fresh
-        buffer is copied, any later one added. Regions no gradient wrote are zeroed by _seal."""
+    def _add_grad(self, b: FlatBucket, li: int, g: torch.Tensor) -> None:
+        """Put parameter li's gradient into b's accumulation buffer: copied when it is li's first
+        in a fresh buffer, else added. Regions no gradient wrote are zeroed by _seal."""
         if b.pending is not None:           # the previous backward's reduction still owns b.acc
             self.finish(b)
         if b.acc is None:
             b.acc = self._take(b)
             b.acc_fresh = True
             b.acc_written = set()
-        items = sorted(b.stash.items())
-        if b.acc_fresh:
-            new = [(li, g) for li, g in items if li not in b.acc_written]
-            again = [(li, g) for li, g in items if li in b.acc_written]
-            if new:
-                flatten([g for _, g in new], b.acc, [b.offsets[li] for li, _ in new])
-                b.acc_written.update(li for li, _ in new)
-        else:
-            again = items
-        if again:
-            flatten([g for _, g in again], b.acc, [b.offsets[li] for li, _ in again], accumulate=True)
-        b.stash.clear()
+        first = b.acc_fresh and li not in b.acc_written
+        flatten([g], b.acc, [b.offsets[li]], accumulate=not first)
+        if first:
+            b.acc_written.add(li)
         b.acc_unlaunched = True
 
     @staticmethod
@@ -183,8 +174,6 @@ class Stage2Reducer:
     def _launch(self, b: FlatBucket) -> None:
         if b.pending is not None:
             self.finish(b)
-        if b.stash:
-            self._flatten(b)
         if b.acc is None:                   # nothing arrived on this rank: contribute zeros
             b.acc = self._take(b).zero_()
             b.acc_fresh = False
@@ -230,8 +219,6 @@ class Stage2Reducer:
         with torch.no_grad():
             self.in_backward = False
             for b in self.buckets:
-                if b.stash:
-                    self._flatten(b)
                 self._seal(b)
             if self.sync:
                 for b in self.buckets[self.next_launch:]:
@@ -276,7 +263,6 @@ class Stage2Reducer:
         """Drop everything (zero_grad): pending collectives are waited for first."""
         self.finish_all()
         for b in self.buckets:
-            b.stash.clear()
             self._give(b.acc)
             b.acc = None
             b.acc_unlaunched = False

@@ -328,7 +328,7 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def _flush_stage2(self) -> None:
         r = self._reducer
-        if any(b.acc_unlaunched or b.stash for b in self.buckets):
+        if any(b.acc_unlaunched for b in self.buckets):
             # step() after no_sync-only backwards: reduce what was accumulated (every rank alike).
             for b in self.buckets:
                 if not b.launched:

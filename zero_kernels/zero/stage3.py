@@ -306,7 +306,7 @@ class Stage3:
         unit_bytes = [sum(b.full_bytes for b in u.buckets) for u in self.units]
         largest = max(unit_bytes[1:], default=0)
         self.cache_limit = unit_bytes[0] + (2 + prefetch) * largest
-        mod = _cache_module() if any(getattr(b, "use_gather_cache", False) for b in opt.buckets) else None
+        mod = _cache_module() if any(b.use_gather_cache for b in opt.buckets) else None
         if mod is not None:
             mod.cache_set_limit(max(self.cache_limit, mod.cache_stats()["limit_bytes"]))
         self.handles = []
