@@ -9,7 +9,7 @@ import os
 import runpy
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 cfg = runpy.run_path(os.path.join(ROOT, "zero_kernels", "_build.py"))
@@ -60,7 +60,9 @@ setup(
     python_requires=">=3.10",
     # kernels/ and csrc/ live at the top of the checkout but install as zero_kernels.kernels and
     # zero_kernels.csrc (the C++ sources ship so the JIT fallback can build them after install).
-    packages=["zero_kernels", "zero_kernels.kernels", "zero_kernels.csrc"],
+    # Every subpackage of zero_kernels/ is found (a hand-written list once left out zero_kernels.zero).
+    packages=["zero_kernels", "zero_kernels.kernels", "zero_kernels.csrc"]
+    + [f"zero_kernels.{p}" for p in find_packages("zero_kernels")],
     package_dir={"zero_kernels": "zero_kernels", "zero_kernels.kernels": "kernels",
                  "zero_kernels.csrc": "csrc"},
     package_data={"zero_kernels": ["py.typed"], "zero_kernels.csrc": ["*.cpp", "*.cu", "*.h", "*.cuh"]},

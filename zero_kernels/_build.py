@@ -35,6 +35,6 @@ def cuda_sources(root: str | None = None) -> list[str]:
 # -std is left to torch.utils.cpp_extension (c++20 for torch 2.13: its headers need it).
 # -ffp-contract=off: the compiler must not fuse a*b+c on its own; every FMA in csrc/ is explicit,
 # so the vector body and the scalar tail round identically (bitwise equal results at any size).
-CXX_FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-Wall", "-Wno-unused-function"]
+CXX_FLAGS = ["-O3", "-g0", "-fno-math-errno", "-ffp-contract=off", "-Wall", "-Wno-unused-function"]
 NVCC_FLAGS = ["-O3", "--use_fast_math", "-lineinfo",
               "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
