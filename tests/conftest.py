@@ -27,3 +27,10 @@ def available_backends() -> list:
 
 
 BACKENDS = available_backends()
+
+
+def pytest_configure(config):
+    # Timing and resident-memory assertions depend on machine load: CI runs them as a separate
+    # pytest invocation (`-m perf`) after the functional suite (`-m "not perf"`).
+    config.addinivalue_line("markers", "perf: timing or resident-memory assertion (run with -m perf)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped with a reason without one)")
