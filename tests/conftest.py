@@ -29,6 +29,27 @@ def available_backends() -> list:
 BACKENDS = available_backends()
 
 
+def _check_installed() -> None:
+    """ZK_REQUIRE_INSTALLED=1 (CI tests the built wheel): the package under test must be the installed one,
+    with its prebuilt extension, never the source tree that the checkout would put first on sys.path."""
+    if os.environ.get("ZK_REQUIRE_INSTALLED") != "1":
+        return
+    import zero_kernels
+    from zero_kernels import _ext
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.abspath(zero_kernels.__file__)
+    if here == os.path.join(root, "zero_kernels", "__init__.py"):
+        raise RuntimeError(f"ZK_REQUIRE_INSTALLED=1 but zero_kernels was imported from the checkout ({here}); "
+                           "run with PYTHONSAFEPATH=1 from the installed environment")
+    mod = _ext.cpu_module()
+    if mod is None or mod.__name__ != "zero_kernels._C":
+        raise RuntimeError("ZK_REQUIRE_INSTALLED=1 but the installed wheel's extension zero_kernels._C did not "
+                           f"load (got {getattr(mod, '__name__', None)}: {_ext.load_error()})")
+
+
+_check_installed()
+
+
 def pytest_configure(config):
     # Timing and resident-memory assertions depend on machine load: CI runs them as a separate
     # pytest invocation (`-m perf`) after the functional suite (`-m "not perf"`).

@@ -1,0 +1,86 @@
+"""Packaging: what a regular install (or the wheel) contains, the version, and a loud C++ build failure.
+
+In CI the suite runs against the built wheel installed in a fresh venv (ZK_REQUIRE_INSTALLED=1, see
+conftest.py); here the checks compare the importable package with the source tree, so a subpackage
+that the wheel leaves out (as zero_kernels.zero once was) fails a test instead of an import at a user's.
+"""
+import importlib
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+import pytest
+
+import zero_kernels
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _source_subpackages() -> list[str]:
+    """Every package of the source tree, as importable names (kernels/ and csrc/ map into zero_kernels)."""
+    names = ["zero_kernels", "zero_kernels.kernels", "zero_kernels.csrc"]
+    base = os.path.join(ROOT, "zero_kernels")
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__" and not os.path.islink(os.path.join(dirpath, d))]
+        if "__init__.py" in filenames and dirpath != base:
+            names.append("zero_kernels." + os.path.relpath(dirpath, base).replace(os.sep, "."))
+    return names
+
+
+@pytest.mark.parametrize("name", _source_subpackages())
+def test_every_subpackage_is_importable(name):
+    mod = importlib.import_module(name)
+    assert mod.__file__ is not None
+
+
+def test_subpackage_scan_sees_zero_layer():
+    # negative control for the scan above: it must list the ZeRO layer, the package a wheel once left out
+    assert "zero_kernels.zero" in _source_subpackages()
+
+
+def test_public_names_and_version():
+    for name in ("FusedAdam", "FusedAdamW", "ZeroAdam", "ZeroAdamW", "fused_adam_ref", "compute_coeffs"):
+        assert getattr(zero_kernels, name) is not None
+    assert zero_kernels.__version__ == importlib.metadata.version("zero_kernels")
+
+
+def test_csrc_ships_for_the_jit_fallback():
+    from zero_kernels import _build
+    assert _build.cpu_sources(), "the C++ sources must ship inside the package for the JIT fallback"
+
+
+def _setup_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k != "ZERO_KERNELS_SKIP_EXT"}
+    env.update(extra)
+    return env
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "setup.py")), reason="no source checkout beside the tests")
+def test_build_without_compiler_fails_with_the_missing_piece(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "setup.py"), "--name"], cwd=ROOT,
+                       env=_setup_env(CXX="zk-no-such-compiler"), capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "no C++ compiler" in r.stderr and "zk-no-such-compiler" in r.stderr
+    assert "ZERO_KERNELS_SKIP_EXT=1" in r.stderr
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "setup.py")), reason="no source checkout beside the tests")
+def test_skip_ext_opt_out_is_explicit():
+    # negative control of the test above: the same command with the opt-out goes through and says so
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "setup.py"), "--name"], cwd=ROOT,
+                       env=_setup_env(CXX="zk-no-such-compiler", ZERO_KERNELS_SKIP_EXT="1"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "not building the C++ extension" in r.stderr
+    assert r.stdout.strip() == "zero_kernels"
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, ".ci", "run")), reason="no source checkout beside the tests")
+def test_ci_runs_exactly_the_readme_test_command():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = [ln.strip() for ln in f if ln.strip().startswith("pip install torch==") and "pytest" in ln]
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = [ln.strip() for ln in f if ln.strip().startswith("pip install torch==")]
+    assert len(readme) == 1 and len(ci) == 1
+    assert readme[0] == ci[0]
