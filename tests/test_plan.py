@@ -244,3 +244,37 @@ def test_tp_pp_error_names_flags_and_fix(capsys):
     assert main(["--params", "7e9", "--gpus", "100", "--tp", "8", "--pp", "8"]) == 2
     err = capsys.readouterr().err
     assert "--tp 8 x --pp 8 = 64" in err and "64 or 128" in err
+
+
+def _table_capacities(out: str) -> list[str]:
+    row = next(ln for ln in out.splitlines() if ln.startswith("largest model on"))
+    return row.split()[-4:]
+
+
+def test_chart_uses_the_tables_activation_model(capsys, tmp_path):
+    # gpt2-xl on 16 GPUs, batch 32: the chart's capacity at the requested GPU count is the table's
+    # "largest model" (it once assumed a 30% reserve instead of the modelled batch: 3.5B vs 4.53B)
+    import argparse
+    from zero_kernels import plan as P
+    argv = ["--model", "gpt2-xl", "--gpus", "16", "--batch", "32"]
+    assert main(argv) == 0
+    table = _table_capacities(capsys.readouterr().out)
+    args = P.build_parser().parse_args(argv)
+    cfg = P._resolve(args, P.build_parser())
+    series = P.capacity_series(args, cfg)
+    at16 = [P._fmt_params(dict(series[s])[16]) for s in range(4)]
+    assert at16 == table
+    # negative control: the reserve-only model (what the chart used before) disagrees with the table
+    reserve_only = P._capacity(16, 0, args, cfg, None)
+    assert P._fmt_params(reserve_only) != table[0]
+    assert isinstance(args, argparse.Namespace)
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path):
+    # a subprocess where importing matplotlib fails: the error names the extra to install, no traceback
+    code = ("import sys; sys.modules['matplotlib'] = None; sys.modules['matplotlib.backend_bases'] = None\n"
+            "from zero_kernels.plan import main\n"
+            f"sys.exit(main(['--params', '7e9', '--gpus', '8', '--plot', {str(tmp_path / 'p.png')!r}]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert "zero_kernels[plot]" in r.stderr and "Traceback" not in r.stderr

@@ -23,7 +23,7 @@ from typing import Sequence
 
 from . import memory as M
 
-__all__ = ["main", "build_parser", "MODEL_PRESETS"]
+__all__ = ["main", "build_parser", "capacity_series", "MODEL_PRESETS"]
 
 #: --model presets: GPT-2 XL (the ZeRO paper's 1.5B example) and GPT-3 175B.
 MODEL_PRESETS: dict[str, dict[str, int]] = {
@@ -176,7 +176,11 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
         d = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(d):
             err(f"--plot {args.plot}: directory {d} does not exist")
-        from matplotlib.backend_bases import FigureCanvasBase
+        try:
+            from matplotlib.backend_bases import FigureCanvasBase
+        except ImportError:
+            err(f"--plot {args.plot}: drawing needs matplotlib, which is not installed: "
+                "pip install 'zero_kernels[plot]' (or pip install matplotlib), or leave out --plot")
         ext = os.path.splitext(args.plot)[1].lstrip(".").lower()
         if ext not in FigureCanvasBase.get_supported_filetypes():
             err(f"--plot {args.plot}: use an image file name ending in .png (or .svg, .pdf)")
@@ -269,6 +273,14 @@ def _report(args, cfg, plans: list[M.PlanResult]) -> str:
     return "\n".join(lines)
 
 
+def capacity_series(args, cfg) -> dict[int, list[tuple[int, int]]]:
+    """{stage: [(gpus, largest trainable Ψ)]} for the capacity chart: the same memory model as the
+    table's "largest model" row (activations of --batch when given, else the --reserve fraction)."""
+    k = args.tp * args.pp
+    xs = sorted({g for g in (2 ** i for i in range(11)) if g % k == 0} | {args.gpus})
+    return {s: [(g, _capacity(g, s, args, cfg, cfg["activations"])) for g in xs] for s in range(4)}
+
+
 def _plot(path: str, args, cfg, plans: list[M.PlanResult]) -> None:
     from matplotlib.figure import Figure  # no pyplot: no global backend, renders with Agg
     from matplotlib.ticker import FuncFormatter, NullFormatter
@@ -276,12 +288,16 @@ def _plot(path: str, args, cfg, plans: list[M.PlanResult]) -> None:
     fig = Figure(figsize=(13, 5.2), dpi=110, layout="constrained")
     ax1, ax2 = fig.subplots(1, 2, width_ratios=[1.15, 1])
     k = args.tp * args.pp
-    xs = [g for g in (2 ** i for i in range(11)) if g % k == 0]
+    series = capacity_series(args, cfg)
+    xs = [g for g, _ in series[0]]
     colors = {0: "#7f7f7f", 1: "#1f77b4", 2: "#2ca02c", 3: "#d62728"}
     for s in range(4):
-        ys = [_capacity(g, s, args, cfg, None) / 1e9 for g in xs]
+        ys = [c / 1e9 for _, c in series[s]]
         ax1.plot(xs, ys, marker="o", ms=3.5, color=colors[s], label=M.STAGE_NAMES[s])
-    ref = args.gpu_mem == 80 and args.tp == 1 and args.pp == 1 and args.param_dtype != "fp32"
+    asked = [c / 1e9 for s in range(4) for g, c in series[s] if g == args.gpus]
+    ax1.plot([args.gpus] * 4, asked, marker="D", ms=7, ls="none", mfc="none", mec="black",
+             label=f"requested: {args.gpus} GPU(s), as in the table")
+    ref = cfg["activations"] is None and args.gpu_mem == 80 and args.tp == 1 and args.pp == 1 and args.param_dtype != "fp32"
     if ref:
         ax1.plot([64], [175], marker="*", ms=13, color="black", ls="none",
                  label="reference: DDP ≈3.5B flat, ZeRO-3 ≈175B @ 64")
@@ -295,8 +311,9 @@ def _plot(path: str, args, cfg, plans: list[M.PlanResult]) -> None:
     ax1.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _fmt_params(v * 1e9)))
     ax1.yaxis.set_minor_formatter(NullFormatter())
     ax1.set_ylabel("largest trainable model (parameters)")
-    ax1.set_title(f"Capacity: {args.gpu_mem:g} GB GPUs, {args.param_dtype}, "
-                  f"{args.reserve:.0%} kept for activations")
+    act = (f"{args.reserve:.0%} kept for activations" if cfg["activations"] is None
+           else f"activations of batch {args.batch} ({cfg['activations'] / M.GB:.1f} GB)")
+    ax1.set_title(f"Capacity: {args.gpu_mem:g} GB GPUs, {args.param_dtype}, {act}")
     ax1.grid(True, which="both", alpha=0.3)
     ax1.legend(loc="upper left", fontsize=8.5)
 
