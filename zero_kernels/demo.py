@@ -7,8 +7,11 @@ match), and times DDP + ``torch.optim.AdamW(fused=True)`` for comparison. Prints
 
     stage | final loss | max |param - reference| | memory/rank measured vs formula | step time vs DDP
 
+and writes a PNG beside it (``--plot``, default ``zk_demo.png``): the loss curves of every run and the
+reference, and each rank's model-state memory by stage against the formula.
+
     python -m zero_kernels.demo                       # 2 processes, 50 steps, stages 1 2 3
-    python -m zero_kernels.demo --nproc 3 --steps 20 --stage 2
+    python -m zero_kernels.demo --nproc 3 --steps 20 --stage 2 --plot demo.png
 """
 from __future__ import annotations
 
@@ -99,18 +102,20 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def reference_run(steps: int, nproc: int) -> tuple[list[torch.Tensor], float]:
+def reference_run(steps: int, nproc: int) -> tuple[list[torch.Tensor], list[float]]:
     """One process, torch.optim.AdamW, the union of every rank's micro-batch each step."""
     data, vocab = corpus()
     model = new_model(vocab)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    losses = []
     for s in range(steps):
         xs, ys = zip(*(batch(data, s, r) for r in range(nproc)))
         opt.zero_grad()
         loss = loss_of(model, torch.cat(xs), torch.cat(ys))
         loss.backward()
         opt.step()
-    return [p.detach().clone() for p in model.parameters()], loss.item()
+        losses.append(loss.item())
+    return [p.detach().clone() for p in model.parameters()], losses
 
 
 def _progress(label: str, i: int, n: int) -> None:
@@ -141,7 +146,7 @@ def _worker(rank: int, nproc: int, port: int, steps: int, stages: list[int], out
         else:
             net = model
             opt = zk.ZeroAdamW(model, stage=stage, lr=LR, weight_decay=0.1)
-        times = []
+        times, step_losses = [], []
         for s in range(steps):
             x, y = batch(data, s, rank)
             dist.barrier()
@@ -151,11 +156,13 @@ def _worker(rank: int, nproc: int, port: int, steps: int, stages: list[int], out
             loss.backward()
             opt.step()
             times.append(time.perf_counter() - t0)
+            step_losses.append(loss.item())
             if rank == 0:
                 _progress(label, s + 1, steps)
-        losses = torch.tensor([loss.item()])
-        dist.all_reduce(losses)
-        row = {"loss": losses.item() / nproc, "step_ms": statistics.median(times[2:] or times) * 1e3}
+        losses = torch.tensor(step_losses, dtype=torch.float64)
+        dist.all_reduce(losses)            # mean over ranks = the loss of the whole batch, per step
+        curve = (losses / nproc).tolist()
+        row = {"loss": curve[-1], "curve": curve, "step_ms": statistics.median(times[2:] or times) * 1e3}
         if stage is None:
             row["params"] = [p.detach().clone() for p in model.parameters()]
         else:
@@ -165,6 +172,9 @@ def _worker(rank: int, nproc: int, port: int, steps: int, stages: list[int], out
             pred = rep["predicted"]
             row["mem_measured"] = rep["total"]
             row["mem_formula"] = pred["total"] if pred else float("nan")
+            per_rank = [torch.zeros((), dtype=torch.float64) for _ in range(nproc)]
+            dist.all_gather(per_rank, torch.tensor(float(rep["total"]), dtype=torch.float64))
+            row["mem_per_rank"] = [float(m) for m in per_rank]
         results[label] = row
         del net, opt, model       # DDP reducers and ZeRO hooks hold the group: release them first
     if rank == 0:
@@ -190,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=50, help="training steps per run")
     ap.add_argument("--stage", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3],
                     help="ZeRO stages to run")
+    ap.add_argument("--plot", default="zk_demo.png", metavar="PNG",
+                    help="write the loss curves and per-rank memory here ('' to skip; needs matplotlib)")
     a = ap.parse_args(argv)
     if a.nproc < 1:
         ap.error("--nproc must be >= 1")
@@ -201,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"TinyGPT: {LAYERS} blocks, width {DIM}, vocab {vocab}, {psi:,} parameters (embedding tied "
           f"to the head); {a.nproc} processes x micro-batch {MICRO_BATCH} x seq {SEQ}; {a.steps} steps")
     print("  reference: one process, torch.optim.AdamW on the whole batch ...")
-    ref_params, ref_loss = reference_run(a.steps, a.nproc)
+    ref_params, ref_losses = reference_run(a.steps, a.nproc)
+    ref_loss = ref_losses[-1]
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_worker, args=(a.nproc, _free_port(), a.steps, a.stage, out_dir),
                            nprocs=a.nproc, start_method="spawn")
@@ -223,7 +236,44 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmemory: model states one rank holds after step() (params, grads, fp32 master, Adam m, v), "
           f"measured from its tensors; formula: zero_kernels.memory.model_state_bytes. "
           f"Total time {time.perf_counter() - t_start:.0f} s.")
+    if a.plot:
+        try:
+            _plot(a.plot, results, ref_losses, a.nproc)
+            print(f"wrote {a.plot} (loss curves by stage, memory per rank)")
+        except ImportError:
+            print(f"not writing {a.plot}: matplotlib is missing (pip install 'zero_kernels[plot]')")
     return 0
+
+
+def _plot(path: str, results: dict, ref_losses: list[float], nproc: int) -> None:
+    """Loss per step of every run beside the reference; each rank's model-state memory by stage."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend, renders with Agg
+
+    fig = Figure(figsize=(12, 4.6), dpi=110, layout="constrained")
+    ax1, ax2 = fig.subplots(1, 2)
+    steps = range(1, len(ref_losses) + 1)
+    ax1.plot(steps, ref_losses, color="black", lw=2.5, alpha=0.35, label="reference (1 process, AdamW)")
+    for label, r in results.items():
+        ax1.plot(steps, r["curve"], lw=1.2, ls="--" if label.startswith("DDP") else "-", label=label)
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("loss (whole batch)")
+    ax1.set_title(f"Loss by stage, {nproc} processes: the curves lie on the reference")
+    ax1.grid(True, alpha=0.3)
+    ax1.legend(fontsize=8.5)
+    zero = [(label, r) for label, r in results.items() if "mem_per_rank" in r]
+    width = 0.8 / max(1, nproc)
+    for k in range(nproc):
+        xs = [i + (k - (nproc - 1) / 2) * width for i in range(len(zero))]
+        ax2.bar(xs, [r["mem_per_rank"][k] / 2**20 for _, r in zero], width=width * 0.95, label=f"rank {k}")
+    for i, (_, r) in enumerate(zero):
+        ax2.plot([i - 0.45, i + 0.45], [r["mem_formula"] / 2**20] * 2, color="black", lw=1.5,
+                 label="formula" if i == 0 else None)
+    ax2.set_xticks(range(len(zero)), [label for label, _ in zero])
+    ax2.set_ylabel("model states per rank (MiB)")
+    ax2.set_title("Memory per rank, measured from its tensors")
+    ax2.grid(True, axis="y", alpha=0.3)
+    ax2.legend(fontsize=8.5)
+    fig.savefig(path)
 
 
 if __name__ == "__main__":
