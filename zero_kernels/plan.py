@@ -6,6 +6,7 @@ Examples::
     python -m zero_kernels.plan --model gpt2-xl --gpus 16 --batch 32 --checkpointing
     python -m zero_kernels.plan --model --layers 96 --hidden 12288 --heads 96 --gpus 128 --tp 8 --pp 8
     python -m zero_kernels.plan --params 175B --gpus 64 --stage 3 --plot plan.png
+    python -m zero_kernels.plan --model gpt2-xl --gpus 384 --gpus-per-node 8 --stage 3 --simulate
 
 Prints per-rank bytes by category (bf16/fp16 params and grads, fp32 master, Adam m and v, the
 ZeRO-3 gather buffer, activations) for DDP and ZeRO-1/2/3, whether each fits, and the largest
@@ -22,6 +23,7 @@ import sys
 from typing import Sequence
 
 from . import memory as M
+from . import simulate as S
 
 __all__ = ["main", "build_parser", "capacity_series", "MODEL_PRESETS"]
 
@@ -113,8 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--attn-scores", action="store_true",
                    help="also count materialized heads·seq² attention scores (no flash "
                         "attention); needs --heads")
+    S.add_arguments(p, _pos_int, _pos_float)
     p.add_argument("--plot", metavar="FILE.png",
-                   help="write the capacity chart and the per-category bar chart to this image")
+                   help="write the capacity chart and the per-category bar chart to this image "
+                        "(with --simulate also the scaling chart, to FILE-scaling.png)")
     return p
 
 
@@ -184,6 +188,12 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
         ext = os.path.splitext(args.plot)[1].lstrip(".").lower()
         if ext not in FigureCanvasBase.get_supported_filetypes():
             err(f"--plot {args.plot}: use an image file name ending in .png (or .svg, .pdf)")
+    if args.simulate:
+        if args.tp * args.pp != 1:
+            err("--simulate models data parallelism only: leave --tp and --pp at 1")
+        if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
+            err(f"--simulate: --gpus {args.gpus} is not a whole number of nodes of --gpus-per-node "
+                f"{args.gpus_per_node}")
     stages = [0, 1, 2, 3] if args.stage == "all" else [int(args.stage)]
     return dict(psi=psi, shape=shape, activations=act, stages=stages,
                 dp=args.gpus // (args.tp * args.pp), gpu_mem=args.gpu_mem * M.GB)
@@ -345,6 +355,11 @@ def _plot(path: str, args, cfg, plans: list[M.PlanResult]) -> None:
     fig.savefig(path)
 
 
+def scaling_path(plot: str) -> str:
+    stem, ext = os.path.splitext(plot)
+    return f"{stem}-scaling{ext}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the planner; returns the exit status (0 ok, 2 bad input) instead of exiting."""
     parser = build_parser()
@@ -355,13 +370,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     plans = _plans(args, cfg)
     print(_report(args, cfg, plans))
+    if args.simulate:
+        print()
+        print(S.report(cfg["psi"], args))
     if args.plot:
         try:
             _plot(args.plot, args, cfg, plans)
+            if args.simulate:
+                S.plot(scaling_path(args.plot), cfg["psi"], args)
         except ValueError as e:  # e.g. an image format matplotlib does not know
             print(f"{parser.prog}: error: --plot {args.plot}: {e}", file=sys.stderr)
             return 2
-        print(f"wrote {args.plot}")
+        print(f"wrote {args.plot}" + (f" and {scaling_path(args.plot)}" if args.simulate else ""))
     return 0
 
 
