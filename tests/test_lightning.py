@@ -44,6 +44,7 @@ def test_zero_strategies_match_ddp_and_checkpoints_reshard_across_stages(tmp_pat
 
 def test_registered_names_and_errors():
     import zero_kernels.integrations.lightning as zl
+    from zero_kernels.integrations._translate import to_zero_optimizer
     from lightning.pytorch.strategies import StrategyRegistry
     for s in (1, 2, 3):
         assert StrategyRegistry[f"zk_zero{s}"]["init_params"] == {"stage": s}
@@ -51,7 +52,7 @@ def test_registered_names_and_errors():
         zl.ZeroStrategy(stage=4)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     with pytest.raises(ValueError, match="torch.optim.AdamW or torch.optim.Adam"):
-        zl._translate(opt, torch.nn.Linear(2, 2), 2, {})
+        to_zero_optimizer(opt, torch.nn.Linear(2, 2), 2, {})
     m = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="leaves trainable parameters out"):
-        zl._translate(torch.optim.AdamW([m.weight]), m, 2, {})
+        to_zero_optimizer(torch.optim.AdamW([m.weight]), m, 2, {})

@@ -34,12 +34,12 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
-from ..zero import ZeroAdam, ZeroAdamW
+from ..zero import ZeroAdamW
+from ._translate import to_zero_optimizer
 
 __all__ = ["ZeroStrategy", "ZeroPrecision", "LIGHTNING_STATE"]
 
 LIGHTNING_STATE = "lightning_state.pt"
-_HPARAMS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 _EXCLUDED = ("state_dict", "optimizer_states")   # saved by ZeroAdamW's checkpoint instead
 
 
@@ -59,34 +59,6 @@ def _zero_optimizer(optimizer):
     if not isinstance(opt, ZeroAdamW):
         raise TypeError(f"expected the ZeroAdamW built by ZeroStrategy, got {type(opt).__name__}")
     return opt
-
-
-def _translate(optimizer: torch.optim.Optimizer, module: torch.nn.Module, stage: int,
-               zero_kwargs: dict[str, Any]) -> ZeroAdamW:
-    """A ZeroAdamW (or ZeroAdam) with the parameter groups and hyper-parameters of ``optimizer``."""
-    if isinstance(optimizer, ZeroAdamW):
-        return optimizer
-    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
-        raise ValueError(f"configure_optimizers returned {type(optimizer).__name__}; the zk strategies translate "
-                         "torch.optim.AdamW or torch.optim.Adam into ZeroAdamW/ZeroAdam (or return a ZeroAdamW "
-                         "built from self)")
-    adamw = isinstance(optimizer, torch.optim.AdamW) or optimizer.defaults.get("decoupled_weight_decay", False)
-    cls = ZeroAdamW if adamw else ZeroAdam
-    groups = [{"params": list(g["params"]), **{k: g[k] for k in _HPARAMS if k in g}} for g in optimizer.param_groups]
-    owned = {id(p) for g in groups for p in g["params"]}
-    missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in owned]
-    if missing:
-        raise ValueError(f"configure_optimizers leaves trainable parameters out of the optimizer ({missing[:3]}...): "
-                         "ZeroAdamW shards every trainable parameter; set requires_grad=False on frozen ones")
-    d = optimizer.defaults
-    zopt = cls(module, stage=stage, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
-               amsgrad=d.get("amsgrad", False), maximize=d.get("maximize", False), param_groups=groups,
-               **zero_kwargs)
-    for old, new in zip(optimizer.param_groups, zopt.param_groups):
-        for k, v in old.items():          # e.g. initial_lr, set by an LR scheduler on the original
-            if k != "params" and k not in new:
-                new[k] = v
-    return zopt
 
 
 class ZeroStrategy(DDPStrategy):
@@ -121,7 +93,7 @@ class ZeroStrategy(DDPStrategy):
             raise ValueError(f"the zk strategies take exactly one optimizer from configure_optimizers, "
                              f"got {len(self.optimizers)}")
         old = self.optimizers[0]
-        zopt = _translate(old, self.lightning_module, self.stage, self.zero_kwargs)
+        zopt = to_zero_optimizer(old, self.lightning_module, self.stage, self.zero_kwargs)
         for cfg in self.lr_scheduler_configs:
             if cfg.scheduler.optimizer is old:
                 cfg.scheduler.optimizer = zopt

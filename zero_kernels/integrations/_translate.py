@@ -1,0 +1,41 @@
+"""One rule for turning a framework-built ``torch.optim.AdamW``/``Adam`` into a ZeroAdamW/ZeroAdam with
+the same parameter groups and hyper-parameters (used by the Lightning and Hugging Face integrations)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..zero import ZeroAdam, ZeroAdamW
+
+__all__ = ["to_zero_optimizer"]
+
+_HPARAMS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+
+
+def to_zero_optimizer(optimizer: torch.optim.Optimizer, module: torch.nn.Module, stage: int,
+                      zero_kwargs: dict[str, Any]) -> ZeroAdamW:
+    """A ZeroAdamW (or ZeroAdam) with the parameter groups and hyper-parameters of ``optimizer``."""
+    if isinstance(optimizer, ZeroAdamW):
+        return optimizer
+    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
+        raise ValueError(f"the training framework built a {type(optimizer).__name__}; zero_kernels translates "
+                         "torch.optim.AdamW or torch.optim.Adam into ZeroAdamW/ZeroAdam (or pass a ZeroAdamW "
+                         "built from the model)")
+    adamw = isinstance(optimizer, torch.optim.AdamW) or optimizer.defaults.get("decoupled_weight_decay", False)
+    cls = ZeroAdamW if adamw else ZeroAdam
+    groups = [{"params": list(g["params"]), **{k: g[k] for k in _HPARAMS if k in g}} for g in optimizer.param_groups]
+    owned = {id(p) for g in groups for p in g["params"]}
+    missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in owned]
+    if missing:
+        raise ValueError(f"the optimizer leaves trainable parameters out ({missing[:3]}...): "
+                         "ZeroAdamW shards every trainable parameter; set requires_grad=False on frozen ones")
+    d = optimizer.defaults
+    zopt = cls(module, stage=stage, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
+               amsgrad=d.get("amsgrad", False), maximize=d.get("maximize", False), param_groups=groups,
+               **zero_kwargs)
+    for old, new in zip(optimizer.param_groups, zopt.param_groups):
+        for k, v in old.items():          # e.g. initial_lr, set by an LR scheduler on the original
+            if k != "params" and k not in new:
+                new[k] = v
+    return zopt
