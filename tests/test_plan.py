@@ -278,3 +278,26 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     assert "zero_kernels[plot]" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("states,remainders,k", [("fp32", False, 12), ("bf16", False, 8),
+                                                  ("8bit", False, 4 + 2 * (1 + 4 / 256)),
+                                                  ("8bit", True, 2 + 2 * (1 + 4 / 256))])
+def test_state_formats_k(states, remainders, k, capsys):
+    nb = M.dtype_bytes("bf16", states, remainders)
+    assert nb["master_bytes"] + nb["optim_bytes"] == pytest.approx(k)
+    # issue #11's targets: 8-bit moments <= 6.1, + remainders <= 4.1 bytes of state per parameter
+    assert nb["master_bytes"] + nb["optim_bytes"] <= {12: 12, 8: 8}.get(round(k), 6.1 if not remainders else 4.1)
+    argv = ["--params", "7e9", "--gpus", "8", "--states", states] + (["--remainders"] if remainders else [])
+    assert main(argv) == 0
+    assert f"K = {k:.3g}" in capsys.readouterr().out
+    # ZeRO-3 per-rank states follow K: 2Ψ params + 2Ψ grads + KΨ, over 8 ranks
+    p = M.plan(7_000_000_000, 8, 3, states=states, remainders=remainders)
+    assert p.model_states == pytest.approx((4 + k) * 7e9 / 8)
+
+
+def test_remainders_need_bf16(capsys):
+    with pytest.raises(ValueError, match="need bf16"):
+        M.dtype_bytes("fp16", "fp32", True)
+    assert main(["--params", "7e9", "--param-dtype", "fp32", "--remainders"]) == 2
+    assert "--remainders needs --param-dtype bf16" in capsys.readouterr().err

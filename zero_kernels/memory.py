@@ -68,7 +68,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 __all__ = [
-    "GB", "DTYPE_BYTES", "GPT3_BLOCK_PARAMS", "DEFAULT_RESERVE", "STAGE_NAMES", "CATEGORIES",
+    "GB", "DTYPE_BYTES", "STATE_FORMATS", "GPT3_BLOCK_PARAMS", "DEFAULT_RESERVE", "STAGE_NAMES", "CATEGORIES",
     "dtype_bytes", "model_state_bytes", "gather_buffer_bytes", "estimate_block_params",
     "activation_bytes", "count_params", "data_parallel_size", "max_trainable_params",
     "PlanResult", "plan",
@@ -84,6 +84,10 @@ DTYPE_BYTES: dict[str, dict[str, int]] = {
     "fp32": dict(param_bytes=4, grad_bytes=4, master_bytes=0, optim_bytes=8),
 }
 
+#: Bytes per element of each Adam-moment format (issue #11): ``8bit`` is one code byte plus one fp32
+#: scale per block of 256 elements (bitsandbytes' blockwise layout).
+STATE_FORMATS: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "8bit": 1 + 4 / 256}
+
 GPT3_BLOCK_PARAMS = 12 * 12288 ** 2
 """One GPT-3 175B transformer block (12·h², h = 12288): ≈ 1.81e9 parameters."""
 
@@ -98,12 +102,27 @@ CATEGORIES = ("params", "grads", "master_params", "exp_avg", "exp_avg_sq")
 _BLOCKS_IF_UNKNOWN = 32
 
 
-def dtype_bytes(name: str) -> dict[str, int]:
-    """``{"param_bytes", "grad_bytes", "master_bytes", "optim_bytes"}`` for ``bf16``/``fp16``/``fp32``."""
+def dtype_bytes(name: str, states: str = "fp32", remainders: bool = False) -> dict[str, float]:
+    """``{"param_bytes", "grad_bytes", "master_bytes", "optim_bytes"}`` for ``bf16``/``fp16``/``fp32``
+    parameters, Adam moments in ``states`` format (:data:`STATE_FORMATS`), and with ``remainders`` the
+    fp32 master kept as the bf16 parameter plus an int16 remainder (2 bytes instead of 4).
+
+    The optimizer-state multiplier K = master_bytes + optim_bytes: 12 (fp32), 8 (bf16 moments),
+    ~6.03 (8-bit moments), ~4.03 (8-bit moments + remainders).
+    """
     try:
-        return dict(DTYPE_BYTES[name])
+        d: dict[str, float] = dict(DTYPE_BYTES[name])
     except KeyError:
         raise ValueError(f"unknown param dtype {name!r}; expected one of {sorted(DTYPE_BYTES)}") from None
+    if states not in STATE_FORMATS:
+        raise ValueError(f"unknown state format {states!r}; expected one of {sorted(STATE_FORMATS)}")
+    d["optim_bytes"] = 2 * STATE_FORMATS[states]
+    if remainders:
+        if name != "bf16":
+            raise ValueError(f"remainders (store_param_remainders) need bf16 parameters, got {name!r}: the "
+                             "master is the bf16 parameter's bits plus an int16 remainder")
+        d["master_bytes"] = 2
+    return d
 
 
 def _check_stage(stage: int) -> int:
@@ -358,7 +377,7 @@ class PlanResult:
 def plan(psi: int, gpus: int, stage: int, *, gpu_mem_bytes: float = 80 * GB, tp: int = 1,
          pp: int = 1, param_dtype: str = "bf16", activations: float | None = None,
          hidden: int | None = None, block_params: float | None = None,
-         reserve: float = DEFAULT_RESERVE) -> PlanResult:
+         reserve: float = DEFAULT_RESERVE, states: str = "fp32", remainders: bool = False) -> PlanResult:
     """Per-rank memory of training a Ψ-parameter model on ``gpus`` GPUs at one stage.
 
     ``activations``: bytes of activations for the whole model's micro-batch (from
@@ -369,7 +388,7 @@ def plan(psi: int, gpus: int, stage: int, *, gpu_mem_bytes: float = 80 * GB, tp:
     _check_nonneg("psi", psi)
     dp = data_parallel_size(gpus, tp, pp)
     _check_stage(stage)
-    nbytes = dtype_bytes(param_dtype)
+    nbytes = dtype_bytes(param_dtype, states, remainders)
     states, buf = _per_rank_need(psi, dp, stage, tp, pp, hidden, block_params, nbytes)
     if activations is None:
         act, budget = 0.0, gpu_mem_bytes * (1 - reserve)

@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--param-dtype", choices=sorted(M.DTYPE_BYTES), default="bf16",
                    help="bf16/fp16: 16-bit params and grads + fp32 master, m, v (16 B/param); "
                         "fp32: fp32 params and grads, no separate master (16 B/param)")
+    h.add_argument("--states", choices=sorted(M.STATE_FORMATS), default="fp32",
+                   help="Adam moment format: fp32 (K = 12), bf16 (K = 8), 8bit (blockwise, K ~ 6)")
+    h.add_argument("--remainders", action="store_true",
+                   help="bf16 params only: the fp32 master kept as bf16 param + int16 remainder (K - 2)")
     h.add_argument("--reserve", type=float, default=M.DEFAULT_RESERVE, metavar="FRACTION",
                    help="fraction of each GPU kept for activations when --batch is not given, "
                         "and in the capacity chart")
@@ -132,6 +136,9 @@ def _fmt_params(n: float) -> str:
 def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     """Validate the flags together; return the derived configuration. parser.error() on bad input."""
     err = parser.error
+    if args.remainders and args.param_dtype != "bf16":
+        err(f"--remainders needs --param-dtype bf16 (got {args.param_dtype}): the fp32 master is kept as the "
+            "bf16 parameter plus an int16 remainder")
     if (args.params is None) == (args.model is None):
         err("give exactly one of --params N (e.g. --params 7e9) or --model "
             f"[{'|'.join(MODEL_PRESETS)}] with --layers/--hidden/--vocab")
@@ -170,7 +177,7 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
         if args.attn_scores and shape["heads"] is None:
             err("--attn-scores needs --heads")
         act = M.activation_bytes(args.batch, shape["seq"], shape["hidden"], shape["layers"],
-                                 bytes_per=M.dtype_bytes(args.param_dtype)["param_bytes"],
+                                 bytes_per=_nbytes(args)["param_bytes"],
                                  checkpointing=args.checkpointing or False,
                                  heads=shape["heads"] if args.attn_scores else None)
     elif args.checkpointing or args.attn_scores:
@@ -202,11 +209,17 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
 def _plans(args, cfg) -> list[M.PlanResult]:
     return [M.plan(cfg["psi"], args.gpus, s, gpu_mem_bytes=cfg["gpu_mem"], tp=args.tp, pp=args.pp,
                    param_dtype=args.param_dtype, activations=cfg["activations"],
+                   states=args.states, remainders=args.remainders,
                    hidden=cfg["shape"]["hidden"], reserve=args.reserve) for s in cfg["stages"]]
 
 
-def _capacity(gpus: int, stage: int, args, cfg, activations: float | None) -> int:
-    nb = M.dtype_bytes(args.param_dtype)
+def _nbytes(args, states: str | None = None, remainders: bool | None = None) -> dict[str, float]:
+    return M.dtype_bytes(args.param_dtype, args.states if states is None else states,
+                         args.remainders if remainders is None else remainders)
+
+
+def _capacity(gpus: int, stage: int, args, cfg, activations: float | None, nb: dict | None = None) -> int:
+    nb = _nbytes(args) if nb is None else nb
     if activations is None:
         reserve, extra = args.reserve, 0.0
     else:
@@ -217,13 +230,15 @@ def _capacity(gpus: int, stage: int, args, cfg, activations: float | None) -> in
 
 
 def _report(args, cfg, plans: list[M.PlanResult]) -> str:
-    nb = M.dtype_bytes(args.param_dtype)
+    nb = _nbytes(args)
     p16 = args.param_dtype
-    prec = (f"{p16} params and grads, fp32 master + Adam m, v" if nb["master_bytes"]
-            else "fp32 params (= master) and grads + Adam m, v")
+    master = "bf16 + int16 remainder master" if args.remainders else "fp32 master"
+    prec = (f"{p16} params and grads, {master} + {args.states} Adam m, v" if nb["master_bytes"]
+            else f"fp32 params (= master) and grads + {args.states} Adam m, v")
+    k = nb["master_bytes"] + nb["optim_bytes"]
     lines = [f"Ψ = {cfg['psi']:,} parameters ({_fmt_params(cfg['psi'])}); {prec}: "
-             f"{sum(nb.values())} bytes/param, {sum(nb.values()) * cfg['psi'] / M.GB:,.1f} GB "
-             "of model states in all"]
+             f"{sum(nb.values()):g} bytes/param (optimizer states K = {k:.3g}), "
+             f"{sum(nb.values()) * cfg['psi'] / M.GB:,.1f} GB of model states in all"]
     shape = cfg["shape"]
     if args.model is not None:
         lines.append(f"  counted from {args.model if args.model != _CUSTOM else 'a GPT'} shape: "
@@ -304,10 +319,18 @@ def _plot(path: str, args, cfg, plans: list[M.PlanResult]) -> None:
     for s in range(4):
         ys = [c / 1e9 for _, c in series[s]]
         ax1.plot(xs, ys, marker="o", ms=3.5, color=colors[s], label=M.STAGE_NAMES[s])
+    for fmt, rem, ls in (("fp32", False, (0, (1, 1))), ("bf16", False, (0, (4, 2))), ("8bit", False, (0, (6, 2, 1, 2))),
+                         ("8bit", True, (0, (2, 2, 2, 2, 6, 2)))):
+        if (fmt, rem) == (args.states, args.remainders) or (rem and args.param_dtype != "bf16"):
+            continue
+        nb = _nbytes(args, fmt, rem)
+        ys = [_capacity(g, 3, args, cfg, cfg["activations"], nb) / 1e9 for g in xs]
+        ax1.plot(xs, ys, color=colors[3], ls=ls, lw=1, alpha=0.8,
+                 label=f"ZeRO-3, K = {nb['master_bytes'] + nb['optim_bytes']:.3g} ({fmt} m, v{' + remainders' if rem else ''})")
     asked = [c / 1e9 for s in range(4) for g, c in series[s] if g == args.gpus]
     ax1.plot([args.gpus] * 4, asked, marker="D", ms=7, ls="none", mfc="none", mec="black",
              label=f"requested: {args.gpus} GPU(s), as in the table")
-    ref = cfg["activations"] is None and args.gpu_mem == 80 and args.tp == 1 and args.pp == 1 and args.param_dtype != "fp32"
+    ref = cfg["activations"] is None and args.states == "fp32" and not args.remainders and args.gpu_mem == 80 and args.tp == 1 and args.pp == 1 and args.param_dtype != "fp32"
     if ref:
         ax1.plot([64], [175], marker="*", ms=13, color="black", ls="none",
                  label="reference: DDP ≈3.5B flat, ZeRO-3 ≈175B @ 64")
@@ -323,11 +346,14 @@ def _plot(path: str, args, cfg, plans: list[M.PlanResult]) -> None:
     ax1.set_ylabel("largest trainable model (parameters)")
     act = (f"{args.reserve:.0%} kept for activations" if cfg["activations"] is None
            else f"activations of batch {args.batch} ({cfg['activations'] / M.GB:.1f} GB)")
-    ax1.set_title(f"Capacity: {args.gpu_mem:g} GB GPUs, {args.param_dtype}, {act}")
+    k = _nbytes(args)
+    ax1.set_title(f"Capacity: {args.gpu_mem:g} GB GPUs, {args.param_dtype}, K = "
+                  f"{k['master_bytes'] + k['optim_bytes']:.3g}, {act}", fontsize=10)
     ax1.grid(True, which="both", alpha=0.3)
     ax1.legend(loc="upper left", fontsize=8.5)
 
-    cats = [("params", "params"), ("grads", "grads"), ("master_params", "fp32 master"),
+    cats = [("params", "params"), ("grads", "grads"),
+            ("master_params", "int16 master remainder" if args.remainders else "fp32 master"),
             ("exp_avg", "Adam m"), ("exp_avg_sq", "Adam v"),
             ("gather_buffer", "ZeRO-3 gather buffer"), ("activations", "activations")]
     ccol = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22"]
