@@ -91,14 +91,14 @@ class DeviceTables:
 
 
 def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def upload(rows: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
     """A host list as a device tensor: one non-blocking copy from pinned memory on CUDA (a copy from
     pageable memory would block the host), a plain tensor elsewhere."""
     host = torch.tensor(rows, dtype=dtype)
-    if device.type == "cuda":
+    if device.type == "cuda" and torch.cuda.is_available():
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
 

@@ -23,6 +23,7 @@ rebuilt every step: correct, rare, and not worth a cache.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,13 +71,23 @@ class GroupPlan:
     contiguous_grads: bool
     launches: list[Launch]
     writebacks: list[tuple[Tensor, Tensor]]   # (destination, contiguous temporary): never cached
+    states: list[dict] = field(default_factory=list)   # the state dicts the launches read
+    state_values: list = field(default_factory=list)   # their values when the plan was built
 
     @property
     def cacheable(self) -> bool:
         return not self.writebacks
 
+    def snapshot(self) -> None:
+        self.state_values = [v for st in self.states for v in st.values()]
+
     def matches(self, sig: list, epoch: int, amsgrad: bool) -> bool:
-        return self.epoch == epoch and self.amsgrad == amsgrad and self.signature == sig
+        """Same signature and epoch, and no state tensor replaced since (``opt.state[p]["exp_avg"] =
+        ...``): identity checks only, no tensor comparison."""
+        if self.epoch != epoch or self.amsgrad != amsgrad or self.signature != sig:
+            return False
+        now = [v for st in self.states for v in st.values()]
+        return len(now) == len(self.state_values) and all(map(operator.is_, now, self.state_values))
 
     def grads_for(self, launch: Launch, grads: list[Tensor | None]) -> list[Tensor]:
         gs = [grads[i] for i in launch.index]

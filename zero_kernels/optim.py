@@ -7,7 +7,7 @@ one function with one contract (``zero_kernels.reference``), run by the backend 
 """
 from __future__ import annotations
 
-import math
+import operator
 from typing import Any, Callable, Iterable
 
 import torch
@@ -103,6 +103,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._resolved: dict[torch.device, str] = {}
         self._plans: dict[int, GroupPlan] = {}   # per group index: [Note: launch plans]
         self._epoch = 0
+        self._state_dicts: list[dict] = []
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=False, fused=fused,
@@ -154,11 +155,14 @@ class FusedAdam(torch.optim.Optimizer):
         self._resolved: dict[torch.device, str] = {}
         self._plans: dict[int, GroupPlan] = {}
         self._epoch = 0
+        self._state_dicts: list[dict] = []
         self._step_supports_amp_scaling = True
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
             group.setdefault("decoupled_weight_decay", self._decoupled_default)
+            for dev in {p.device for p in group["params"]}:
+                self._resolve(dev)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, after checking every saved state tensor against its parameter's shape
@@ -263,6 +267,9 @@ class FusedAdam(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = grad_scale if grad_scale is not None else getattr(self, "grad_scale", None)
         found_inf = found_inf if found_inf is not None else getattr(self, "found_inf", None)
+        states = list(self.state.values())   # a state dict replaced by the user: rebuild the plans
+        if len(states) != len(self._state_dicts) or not all(map(operator.is_, states, self._state_dicts)):
+            self._epoch += 1
         work = []
         for gi, group in enumerate(self.param_groups):
             grads = [p.grad for p in group["params"]]
@@ -279,6 +286,7 @@ class FusedAdam(torch.optim.Optimizer):
                 if plan.cacheable:
                     self._plans[gi] = plan
                 work[k] = (gi, group, grads, sig, plan)
+        self._state_dicts = list(self.state.values())
         for gi, group, grads, _, plan in work:
             self._run_plan(group, plan, grads, grad_scale, found_inf)
         return loss
@@ -324,10 +332,13 @@ class FusedAdam(torch.optim.Optimizer):
             if steps[key][0]._base is not L.steps:   # a new buffer: its views become the states' steps
                 for k, pi in enumerate(L.index):
                     self.state[params[pi]]["step"] = L.steps[k]
-        return GroupPlan(signature=sig, epoch=self._epoch, amsgrad=bool(group["amsgrad"]),
+        plan = GroupPlan(signature=sig, epoch=self._epoch, amsgrad=bool(group["amsgrad"]),
                          dtensor=any(local(g) is not g for g in grads if g is not None),
                          contiguous_grads=all(s[4] for s in sig if s is not None),
-                         launches=list(launches.values()), writebacks=writebacks)
+                         launches=list(launches.values()), writebacks=writebacks,
+                         states=[self.state[params[pi]] for L in launches.values() for pi in L.index])
+        plan.snapshot()
+        return plan
 
     def _run_plan(self, group: dict[str, Any], plan: GroupPlan, grads: list[Tensor | None],
                   grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
