@@ -66,13 +66,19 @@ class _RecordingKernel:
         return launch
 
 
+def _private_tables(monkeypatch):
+    """A fresh table cache for the test (fake or meta tables never reach the shared one)."""
+    if hasattr(mt, "DeviceTables"):
+        monkeypatch.setattr(mt, "TABLES", mt.DeviceTables())
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """Fake cuda:1 tensors (no GPU needed), a recording device guard, a private table cache."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     _RecordingGuard.entered, _RecordingGuard.active = [], []
     monkeypatch.setattr(torch.cuda, "device", _RecordingGuard)
-    monkeypatch.setattr(mt, "TABLES", mt.DeviceTables())
+    _private_tables(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # FakeTensor.data_ptr() is 0, with a deprecation warning
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -176,7 +182,7 @@ def test_step_reads_nothing_back_from_the_device(scaler):
 
 def test_triton_launcher_reads_nothing_back(monkeypatch):
     monkeypatch.setattr(tk, "fused_adam_kernel", _RecordingKernel())
-    monkeypatch.setattr(mt, "TABLES", mt.DeviceTables())
+    _private_tables(monkeypatch)
     dev = torch.device("meta")
     n = [4099, 3]
     p, m, v = ([torch.empty(k, device=dev) for k in n] for _ in range(3))
