@@ -317,3 +317,20 @@ def test_load_state_dict_upcasts_16bit_master_and_rejects_wrong_shapes():
     with pytest.raises(ValueError, match=r"exp_avg.*\(3, 4\).*\(4, 3\)"):
         opt3.load_state_dict(bad)
     assert len(opt3.state) == 0, "nothing may be loaded when a state is wrong"
+
+
+def test_load_state_dict_from_another_device():
+    """A state dict saved on the host loads into an optimizer whose parameters live on a device
+    (meta stands for it); the states follow their parameters."""
+    cpu = _params(14, [(4, 3), (5,)])
+    src = zk.FusedAdamW(cpu, lr=1e-2)
+    _grads(cpu, 0)
+    src.step()
+    dev = _params(14, [(4, 3), (5,)], device="meta")
+    opt = zk.FusedAdamW(dev, lr=1e-2, backend="reference")
+    opt.load_state_dict(src.state_dict())
+    assert all(opt.state[p]["exp_avg"].device.type == "meta" for p in dev)
+    for p in dev:
+        p.grad = torch.empty_like(p)
+    opt.step()
+    assert all(opt.state[p]["step"].device.type == "meta" for p in dev)

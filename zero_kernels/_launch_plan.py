@@ -112,18 +112,17 @@ def packed_steps(steps: list[Tensor], device: torch.device) -> Tensor:
         if steps else torch.zeros(0, device=device)
 
 
-def state_error(where: str, key: str, t: Any, p: Tensor, want_dtype: torch.dtype | None) -> str | None:
-    """Why state ``key`` cannot be used with parameter ``p`` (None when it can)."""
-    if not isinstance(t, Tensor):
-        return f"{where}: state {key!r} is {type(t).__name__}, not a tensor"
+def state_error(where: str, key: str, t: Any, p: Tensor, same_device: bool = True) -> str | None:
+    """Why state ``key`` cannot be used with parameter ``p`` (None when it can): not a floating
+    tensor, another shape than the parameter's, or (``same_device``) another device."""
+    if not isinstance(t, Tensor) or not t.is_floating_point():
+        return f"{where}: state {key!r} must be a floating-point tensor, got {getattr(t, 'dtype', type(t).__name__)}"
     lt, lp = local(t), local(p)
     if lt.shape != lp.shape:
         return (f"{where}: state {key!r} has shape {tuple(lt.shape)}, the parameter {tuple(lp.shape)}; "
                 "was the state saved for another model?")
-    if lt.device != lp.device:
+    if same_device and lt.device != lp.device:
         return f"{where}: state {key!r} is on {lt.device}, the parameter on {lp.device}"
-    if want_dtype is not None and not lt.is_floating_point():
-        return f"{where}: state {key!r} has dtype {lt.dtype}, expected a floating-point tensor"
     return None
 
 

@@ -176,7 +176,8 @@ class FusedAdam(torch.optim.Optimizer):
         for p, sid in zip(params, saved_ids):
             for k in _FP32_STATE_KEYS:
                 v = saved.get(sid, {}).get(k)
-                why = None if v is None else state_error(f"state_dict['state'][{sid}]", k, v, p, p.dtype)
+                where = f"state_dict['state'][{sid}]"
+                why = None if v is None else state_error(where, k, v, p, same_device=False)
                 if why is not None:
                     raise ValueError(f"{why}. Nothing was loaded.")
         super().load_state_dict(state_dict)
@@ -210,7 +211,7 @@ class FusedAdam(torch.optim.Optimizer):
         if not torch.is_tensor(state["step"]):
             state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
         for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
-            why = state_error(where, k, state[k], p, sdtype) if k in state else None
+            why = state_error(where, k, state[k], p) if k in state else None
             if why is not None:
                 raise RuntimeError(f"{why}. No parameter was updated.")
         if master and "master_param" not in state:
