@@ -334,3 +334,20 @@ def test_load_state_dict_from_another_device():
         p.grad = torch.empty_like(p)
     opt.step()
     assert all(opt.state[p]["step"].device.type == "meta" for p in dev)
+
+
+@pytest.mark.perf
+def test_host_overhead_at_most_torch_fused_at_1000_parameters():
+    """bench/bench_host_overhead.py (kernels stubbed on both sides, interleaved medians): FusedAdamW's
+    host time per step over 1,000 parameters is at most torch.optim.AdamW(fused=True)'s."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_host_overhead.py"), "--params", "1000",
+                        "--repeats", "21"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = [c.strip() for c in r.stdout.strip().splitlines()[-1].strip("|").split("|")]
+    ratios = [float(c[:-1]) for c in row if c.endswith("x")]
+    assert row[0] == "1000" and ratios, r.stdout
+    assert max(ratios) <= 1.0, f"host time {max(ratios):.2f}x torch fused AdamW's (cpu, triton):\n{r.stdout}"
