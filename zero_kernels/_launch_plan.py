@@ -6,7 +6,7 @@ parameter group. Deciding those calls touches every parameter and its state (dty
 DTensor shards, state initialisation): ~10 us per parameter in Python. A *plan* records the result:
 per launch, the positions of its parameters and the lists of state tensors the kernel updates. It
 is keyed on the group's *signature* (per parameter: ``None`` without a gradient, else the gradient's
-shape, dtype, device, layout and contiguity and the parameter's dtype) and on the optimizer's
+shape, dtype, device, layout and contiguity, the parameter's dtype and contiguity) and on the optimizer's
 ``epoch`` (bumped whenever state or groups are replaced: ``load_state_dict``, ``add_param_group``,
 unpickling). A step whose signature matches reuses the plan: its Python work is one pass over the
 gradients, not a pass over every state.
@@ -43,7 +43,8 @@ def local(t: Tensor | None) -> Tensor | None:
 
 def signature(params: list[Tensor], grads: list[Tensor | None]) -> list:
     """What a cached plan depends on, per parameter (see [Note: launch plans])."""
-    return [None if g is None else (g.shape, g.dtype, g.device, g.layout, g.is_contiguous(), p.dtype)
+    return [None if g is None else (g.shape, g.dtype, g.device, g.layout, g.is_contiguous(), p.dtype,
+                                    p.is_contiguous())
             for p, g in zip(params, grads)]
 
 
