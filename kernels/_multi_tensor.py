@@ -7,6 +7,16 @@ element inside it). A (T, max_blocks) grid would idle most programs when sizes a
 embedding of 50M elements next to a hundred biases). The map depends only on the sizes, so it is
 cached per shape tuple.
 
+[Note: device tables]
+Pointer tables and chunk maps are device tensors read by the kernels. Rebuilding and uploading them
+every step costs host time and, from pageable memory, a blocking copy. ``DeviceTables`` keeps them
+on the device keyed on their contents (the data pointers, the sizes): a step whose tensors did not
+move (static parameters and states; gradients reused by ``zero_grad(set_to_none=False)`` or handed
+back at the same address by the caching allocator) uploads nothing. A miss uploads from pinned
+memory, non-blocking. A cached table is never written in place, so a queued kernel never sees it
+change; entries used under CUDA-graph capture are kept for the graph's lifetime, and a miss during
+capture raises (warm up first).
+
 [Note: 128-bit accesses]
 A GPU load is 128-bit only when the compiler can prove 16-byte alignment and the access is
 unmasked. Launchers check the pointers on the host (``aligned``) and pass a constexpr that adds
@@ -15,8 +25,9 @@ masked only on a tensor's last block.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Iterable, Sequence
+import contextlib
+from collections import OrderedDict
+from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
 import triton
@@ -37,20 +48,90 @@ def round_bf16_bits(x):
     return tl.where(x != x, quiet_nan, rounded).to(tl.uint16)
 
 
-@lru_cache(maxsize=128)
+class DeviceTables:
+    """Device-resident integer tables (pointer tables, chunk maps) keyed on their host contents.
+
+    See [Note: device tables]. ``get(key, device, build, dtypes)`` returns ``(tensors, extra)`` cached
+    for ``key``, or calls ``build() -> (host lists, extra)`` once and uploads the lists (``extra``: a
+    host-side fact about them, e.g. whether every pointer is aligned). Entries used while a CUDA
+    graph is being captured are never evicted: the graph reads them at every replay.
+    """
+
+    def __init__(self, maxsize: int = 256) -> None:
+        self.maxsize = maxsize
+        self._entries: OrderedDict[tuple, tuple[tuple[Tensor, ...], Any]] = OrderedDict()
+        self._captured: dict[tuple, tuple[tuple[Tensor, ...], Any]] = {}
+        self.misses = 0   # uploads done (tests: "the second step is a hit")
+
+    def get(self, key: tuple, device: torch.device, build: Callable[[], tuple[Sequence[Sequence[int]], Any]],
+            dtypes: Sequence[torch.dtype]) -> tuple[tuple[Tensor, ...], Any]:
+        full_key = (device, *key)
+        hit = self._entries.get(full_key)
+        capturing = _capturing(device)
+        if hit is None:
+            if capturing:
+                raise RuntimeError(
+                    "zero_kernels: a pointer table or chunk map changed while a CUDA graph is being "
+                    "captured (new parameters, gradients or shapes). Run a few eager steps with the same "
+                    "tensors before capturing (static gradients: zero_grad(set_to_none=False)).")
+            self.misses += 1
+            lists, extra = build()
+            hit = (tuple(upload(rows, dt, device) for rows, dt in zip(lists, dtypes)), extra)
+            self._entries[full_key] = hit
+            if len(self._entries) > self.maxsize:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(full_key)
+        if capturing:
+            self._captured[full_key] = hit
+        return hit
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def upload(rows: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A host list as a device tensor: one non-blocking copy from pinned memory on CUDA (a copy from
+    pageable memory would block the host), a plain tensor elsewhere."""
+    host = torch.tensor(rows, dtype=dtype)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def device_guard(device: torch.device) -> ContextManager[Any]:
+    """The context every launch runs in: the tensors' CUDA device (Triton launches on the current
+    device, so a group on cuda:1 would otherwise run on cuda:0); nothing to select elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+# One cache for every launcher in this package (tables are small: 8 B per tensor and per chunk).
+TABLES = DeviceTables()
+
+
 def chunk_map(numels: tuple[int, ...], chunk: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """(numels, chunk_tensor, chunk_start) device tensors for a tuple of tensor sizes."""
-    counts = [(n + chunk - 1) // chunk for n in numels]
-    tensor_idx = [t for t, c in enumerate(counts) for _ in range(c)]
-    starts = [j * chunk for c in counts for j in range(c)]
-    return (torch.tensor(numels, dtype=torch.int64).to(device),
-            torch.tensor(tensor_idx, dtype=torch.int32).to(device),
-            torch.tensor(starts, dtype=torch.int64).to(device))
+    def build():
+        counts = [(n + chunk - 1) // chunk for n in numels]
+        tensor_idx = [t for t, c in enumerate(counts) for _ in range(c)]
+        starts = [j * chunk for c in counts for j in range(c)]
+        return (list(numels), tensor_idx, starts), None
+    return TABLES.get(("chunks", chunk, numels), device, build, (torch.int64, torch.int32, torch.int64))[0]
 
 
-def pointer_table(rows: Sequence[Sequence[int]] | Sequence[int], device: torch.device) -> Tensor:
-    """An int64 device tensor of data pointers (one H2D copy, non-blocking)."""
-    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+def pointer_table(rows: Sequence[int], device: torch.device, boundary: int = 16) -> tuple[Tensor, bool]:
+    """(int64 device tensor of the pointers or byte offsets ``rows``, whether every one is a multiple
+    of ``boundary``), cached on the contents: an unchanged table costs one hash, no upload."""
+    rows = tuple(rows)
+    (table,), is_aligned = TABLES.get(("ptrs", boundary, rows), device,
+                                      lambda: ((rows,), aligned(rows, boundary)), (torch.int64,))
+    return table, is_aligned
 
 
 def aligned(addresses: Iterable[int], boundary: int = 16) -> bool:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._multi_tensor import aligned, chunk_map, pointer_table, round_bf16_bits
+from ._multi_tensor import chunk_map, device_guard, pointer_table, round_bf16_bits, upload
 
 # Elements per program: BLOCK per iteration x ITERS iterations. Large chunks keep the grid small
 # (and the interpreter fast); BLOCK=1024 with 4 warps gives each thread 8 fp32 = two 128-bit loads.
@@ -176,42 +176,56 @@ _P16_KIND = {None: 0, torch.bfloat16: 1, torch.float16: 2}
 
 def _launch_group(masters, grads, exp_avgs, exp_avg_sqs, max_sqs, params16, coeffs, *, beta1, beta2,
                   eps, weight_decay, adamw, maximize, grad_scale, found_inf) -> int:
-    """One kernel launch for tensors sharing (grad dtype, param16 dtype, amsgrad). Returns launches."""
+    """One kernel launch for tensors sharing (device, grad dtype, param16 dtype). Returns launches.
+
+    Host work per step: the data pointers (one flat list, 6 per tensor) and two cache lookups
+    ([Note: device tables]); nothing is uploaded and nothing waits for the device unless a
+    pointer or a size changed. Empty tensors stay in the table: they own no chunk."""
     device = masters[0].device
-    rows, ptrs = [], []
-    for i, (p, g, m, v) in enumerate(zip(masters, grads, exp_avgs, exp_avg_sqs)):
-        if p.numel() == 0:
-            continue
-        row = [p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),
-               max_sqs[i].data_ptr() if max_sqs is not None else 0,
-               params16[i].data_ptr() if params16 is not None else 0]
-        rows.append(i)
-        ptrs.append(row)
-    if not rows:
+    zeros = [0] * len(masters)
+    vmax_ptrs = zeros if max_sqs is None else [t.data_ptr() for t in max_sqs]
+    p16_ptrs = zeros if params16 is None else [t.data_ptr() for t in params16]
+    ptrs = [x for row in zip([t.data_ptr() for t in masters], [t.data_ptr() for t in grads],
+                             [t.data_ptr() for t in exp_avgs], [t.data_ptr() for t in exp_avg_sqs],
+                             vmax_ptrs, p16_ptrs) for x in row]
+    table, is_aligned = pointer_table(ptrs, device)
+    numels, chunk_tensor, chunk_start = chunk_map(tuple([t.numel() for t in masters]), CHUNK, device)
+    if chunk_tensor.numel() == 0:
         return 0
-    is_aligned = aligned(x for row in ptrs for x in row)
-    table = pointer_table(ptrs, device)
-    numels, chunk_tensor, chunk_start = chunk_map(tuple(masters[i].numel() for i in rows), CHUNK, device)
-    c = coeffs if len(rows) == len(masters) else coeffs[rows]
-    c = c.to(device=device, dtype=torch.float32).contiguous()
+    c = coeffs if coeffs.dtype == torch.float32 and coeffs.device == device else coeffs.to(device, torch.float32)
+    c = c.contiguous()
     dummy = c  # any fp32 tensor: never read when the flag is off
     gs = grad_scale.to(device=device, dtype=torch.float32) if grad_scale is not None else dummy
     fi = found_inf.to(device=device, dtype=torch.float32) if found_inf is not None else dummy
     grid = (chunk_tensor.numel(),)
-    fused_adam_kernel[grid](
-        table, numels, c, chunk_tensor, chunk_start, gs, fi,
-        float(beta1), float(beta2), float(eps), float(weight_decay),
-        GRAD_DTYPE=_TL_DTYPE[grads[rows[0]].dtype],
-        P16_KIND=_P16_KIND[params16[rows[0]].dtype if params16 is not None else None],
-        HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-        ADAMW=bool(adamw), AMSGRAD=max_sqs is not None, MAXIMIZE=bool(maximize), ALIGNED=is_aligned,
-        BLOCK_SIZE=BLOCK, N_ITERS=ITERS, num_warps=4,
-    )
+    with device_guard(device):
+        fused_adam_kernel[grid](
+            table, numels, c, chunk_tensor, chunk_start, gs, fi,
+            float(beta1), float(beta2), float(eps), float(weight_decay),
+            GRAD_DTYPE=_TL_DTYPE[grads[0].dtype],
+            P16_KIND=_P16_KIND[params16[0].dtype if params16 is not None else None],
+            HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+            ADAMW=bool(adamw), AMSGRAD=max_sqs is not None, MAXIMIZE=bool(maximize), ALIGNED=is_aligned,
+            BLOCK_SIZE=BLOCK, N_ITERS=ITERS, num_warps=4,
+        )
     return 1
 
 
 # Launch counter for tests: "a 100-parameter model launches a handful of kernels".
 launch_count = 0
+
+
+def _check_tensors(masters: list[Tensor], grads: list[Tensor]) -> None:
+    """The Triton front end's checks, naming the first offending tensor."""
+    for i, (p, g) in enumerate(zip(masters, grads)):
+        if p.dtype != torch.float32 or not p.is_contiguous() or not g.is_contiguous():
+            raise ValueError(f"triton fused Adam needs contiguous fp32 masters and contiguous grads "
+                             f"(tensor {i}: master {p.dtype}, contiguous={p.is_contiguous()}, "
+                             f"grad contiguous={g.is_contiguous()})")
+        if g.numel() != p.numel():
+            raise ValueError(f"tensor {i}: grad has {g.numel()} elements, master {p.numel()}")
+        if g.device != p.device:
+            raise ValueError(f"tensor {i}: grad on {g.device}, master on {p.device}")
 
 
 def fused_adam_triton(
@@ -221,23 +235,34 @@ def fused_adam_triton(
     grad_scale: Tensor | None = None, found_inf: Tensor | None = None,
 ) -> None:
     """The fused-Adam contract on Triton. Tensors are grouped by (device, grad dtype, param16
-    dtype) and each group is one launch; callers usually pass a single group already."""
+    dtype) and each group is one launch, under the group's device guard; callers (the optimizer)
+    usually pass a single group already, which takes the fast path (no regrouping)."""
     global launch_count
+    if not masters:
+        return
+    ok = (all([p.dtype == torch.float32 for p in masters])
+          and all([p.is_contiguous() for p in masters]) and all([g.is_contiguous() for g in grads])
+          and [p.numel() for p in masters] == [g.numel() for g in grads])
+    if not ok:
+        _check_tensors(masters, grads)
+    one_group = (len({g.dtype for g in grads}) == 1 and len({t.device for t in masters + grads}) == 1
+                 and (params16 is None or len({t.dtype for t in params16}) == 1))
+    if one_group:
+        launch_count += _launch_group(
+            masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, params16, coeffs,
+            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
+            maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
+        return
+    _check_tensors(masters, grads)
     groups: dict[tuple, list[int]] = {}
     for i, (p, g) in enumerate(zip(masters, grads)):
-        if p.dtype != torch.float32 or not p.is_contiguous() or not g.is_contiguous():
-            raise ValueError(f"triton fused Adam needs contiguous fp32 masters and contiguous grads "
-                             f"(tensor {i}: master {p.dtype}, contiguous={p.is_contiguous()}, "
-                             f"grad contiguous={g.is_contiguous()})")
-        if g.numel() != p.numel():
-            raise ValueError(f"tensor {i}: grad has {g.numel()} elements, master {p.numel()}")
-        key = (p.device, g.dtype, params16[i].dtype if params16 is not None else None)
-        groups.setdefault(key, []).append(i)
+        groups.setdefault((p.device, g.dtype, params16[i].dtype if params16 is not None else None), []).append(i)
     for idx in groups.values():
         pick = (lambda xs: None if xs is None else [xs[i] for i in idx])
+        index = upload(idx, torch.int64, coeffs.device)
         launch_count += _launch_group(
             pick(masters), pick(grads), pick(exp_avgs), pick(exp_avg_sqs), pick(max_exp_avg_sqs),
-            pick(params16), coeffs if len(idx) == len(masters) else coeffs[idx],
+            pick(params16), coeffs.index_select(0, index),
             beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
             maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
 

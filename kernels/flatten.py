@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._multi_tensor import aligned, chunk_map, pointer_table, round_bf16_bits
+from ._multi_tensor import aligned, chunk_map, device_guard, pointer_table, round_bf16_bits
 
 __all__ = ["flatten_triton", "unflatten_triton", "flatten_kernel", "unflatten_kernel", "CODEGEN_CASES"]
 
@@ -141,14 +141,16 @@ def flatten_triton(tensors: Sequence[Tensor | None], out: Tensor, offsets: Seque
     for dt, items in by_dtype.items():
         srcs = [t for t, _ in items]
         numels, chunk_tensor, chunk_start = chunk_map(tuple(t.numel() for t in srcs), CHUNK, out.device)
-        flatten_kernel[(chunk_tensor.numel(),)](
-            pointer_table([t.data_ptr() for t in srcs], out.device), numels,
-            pointer_table([o for _, o in items], out.device), chunk_tensor, chunk_start, out,
-            1.0 if scale is None else float(scale),
-            SRC_DTYPE=_TL[dt], ACCUMULATE=accumulate, DST_BF16=out.dtype == torch.bfloat16,
-            SRC_ALIGNED=aligned(t.data_ptr() for t in srcs),
-            DST_ALIGNED=aligned([out.data_ptr()] + [o * esize for _, o in items]),
-            BLOCK_SIZE=BLOCK, N_ITERS=ITERS, num_warps=4)
+        src_table, src_aligned = pointer_table([t.data_ptr() for t in srcs], out.device)
+        offsets_table, _ = pointer_table([o for _, o in items], out.device)
+        with device_guard(out.device):
+            flatten_kernel[(chunk_tensor.numel(),)](
+                src_table, numels, offsets_table, chunk_tensor, chunk_start, out,
+                1.0 if scale is None else float(scale),
+                SRC_DTYPE=_TL[dt], ACCUMULATE=accumulate, DST_BF16=out.dtype == torch.bfloat16,
+                SRC_ALIGNED=src_aligned,
+                DST_ALIGNED=aligned([out.data_ptr()] + [o * esize for _, o in items]),
+                BLOCK_SIZE=BLOCK, N_ITERS=ITERS, num_warps=4)
         del srcs  # keep the contiguous copies alive until the launch is queued
 
 
@@ -163,11 +165,13 @@ def unflatten_triton(flat: Tensor, tensors: Sequence[Tensor], offsets: Sequence[
     bits = _BITS[flat.element_size()]
     esize = flat.element_size()
     numels, chunk_tensor, chunk_start = chunk_map(tuple(t.numel() for t, _ in items), CHUNK, flat.device)
-    unflatten_kernel[(chunk_tensor.numel(),)](
-        flat.view(_TORCH_BITS[bits]), pointer_table([t.data_ptr() for t, _ in items], flat.device),
-        numels, pointer_table([o for _, o in items], flat.device), chunk_tensor, chunk_start,
-        BITS_DTYPE=bits, SRC_ALIGNED=aligned([flat.data_ptr()] + [o * esize for _, o in items]),
-        DST_ALIGNED=aligned(t.data_ptr() for t, _ in items), BLOCK_SIZE=BLOCK, N_ITERS=ITERS, num_warps=4)
+    dst_table, dst_aligned = pointer_table([t.data_ptr() for t, _ in items], flat.device)
+    offsets_table, _ = pointer_table([o for _, o in items], flat.device)
+    with device_guard(flat.device):
+        unflatten_kernel[(chunk_tensor.numel(),)](
+            flat.view(_TORCH_BITS[bits]), dst_table, numels, offsets_table, chunk_tensor, chunk_start,
+            BITS_DTYPE=bits, SRC_ALIGNED=aligned([flat.data_ptr()] + [o * esize for _, o in items]),
+            DST_ALIGNED=dst_aligned, BLOCK_SIZE=BLOCK, N_ITERS=ITERS, num_warps=4)
 
 
 # Ahead-of-time codegen cases (format: kernels/adam.py). The streaming cases (everything aligned)

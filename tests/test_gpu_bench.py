@@ -15,3 +15,38 @@ def test_gpu_bench_exits_cleanly_without_gpu():
                        timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "GPU" in r.stdout
+
+
+def _bench_module(name):
+    import importlib
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_gpu_bench_workloads_are_the_real_shapes():
+    gpu = _bench_module("gpu")
+    numel = lambda shapes: sum(int(torch.Size(s).numel()) for s in shapes)  # noqa: E731
+    assert len(gpu.gpt2_xl_shapes()) == 580 and abs(numel(gpu.gpt2_xl_shapes()) - 1.5576e9) < 1e5
+    assert len(gpu.llama7b_layer_shapes()) == 9 and numel(gpu.llama7b_layer_shapes()) == 202_383_360
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16-master"])
+def test_stream_ceiling_kernel_moves_the_adam_mix(mixed):
+    """The ceiling kernel (interpreted here) reads a, b, c, d and writes a, b, c (+ e): its traffic
+    is the step's, element for element."""
+    sc = _bench_module("_stream_ceiling")
+    n = 3 * sc.BLOCK + 5
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(n, generator=g) for _ in range(3))
+    d = torch.randn(n, generator=g).to(torch.bfloat16 if mixed else torch.float32)
+    e = torch.zeros(n, dtype=torch.bfloat16) if mixed else None
+    want = [t + d.float() for t in (a, b, c)]
+    sc._stream_mix_kernel[(-(-n // sc.BLOCK),)](a, b, c, d, a if e is None else e, n, HAS_E=mixed,
+                                              BLOCK_SIZE=sc.BLOCK)
+    for got, w in zip((a, b, c), want):
+        assert torch.equal(got, w)
+    if mixed:   # the value does not matter to a ceiling (the interpreter truncates to bf16): the write does
+        torch.testing.assert_close(e.float(), want[0], rtol=2 ** -7, atol=0)

@@ -7,19 +7,20 @@ one function with one contract (``zero_kernels.reference``), run by the backend 
 """
 from __future__ import annotations
 
-import math
+import operator
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor
 
 from . import backends
+from ._launch_plan import GroupPlan, Launch, is_low_precision, local, packed_steps, signature, state_error
 from .reference import compute_coeffs, fused_adam_ref
 
 __all__ = ["FusedAdam", "FusedAdamW"]
 
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
 _FP32_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 def _validate_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
@@ -40,14 +41,6 @@ def _validate_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
-def _local(t: Tensor | None) -> Tensor | None:
-    """The local shard of a DTensor (FSDP2 parameters, grads and states), else the tensor itself.
-    ``to_local()`` shares storage, so the kernel's in-place writes land in the DTensor."""
-    if t is not None and hasattr(t, "to_local") and hasattr(t, "device_mesh"):
-        return t.to_local()
-    return t
-
-
 def _scalar(x: float | Tensor) -> float:
     return float(x.item()) if isinstance(x, Tensor) else float(x)
 
@@ -64,8 +57,12 @@ class FusedAdam(torch.optim.Optimizer):
     backend: ``"auto"`` | ``"triton"`` | ``"cpu"`` | ``"cuda"`` | ``"reference"``.
 
     ``foreach`` is accepted and ignored (the step is always multi-tensor); ``fused=False`` and
-    ``differentiable=True`` are refused. ``capturable=True`` keeps ``step`` on the parameter's
-    device and never calls ``.item()`` in ``step()``.
+    ``differentiable=True`` are refused. ``step`` lives on the parameter's device (as with torch's
+    fused AdamW) and ``step()`` never reads anything back from the device, so every step can be
+    captured in a CUDA graph (``capturable=True`` is accepted; capture after a few eager steps,
+    with static gradients: ``zero_grad(set_to_none=False)``, as ``torch.cuda.graphs`` requires).
+
+    ``opt.backend``: the backend that runs for each device, e.g. ``{"cuda:0": "triton"}``.
     """
 
     _decoupled_default = False
@@ -104,6 +101,9 @@ class FusedAdam(torch.optim.Optimizer):
         self._backend_request = backend
         self._master_weights = master_weights
         self._resolved: dict[torch.device, str] = {}
+        self._plans: dict[int, GroupPlan] = {}   # per group index: [Note: launch plans]
+        self._epoch = 0
+        self._state_dicts: list[dict] = []
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=False, fused=fused,
@@ -138,113 +138,172 @@ class FusedAdam(torch.optim.Optimizer):
             if dev not in self._resolved:
                 self._resolved[dev] = backends.resolve(self._backend_request, dev)
         super().add_param_group(param_group)
+        self._epoch = getattr(self, "_epoch", 0) + 1
+
+    # ------------------------------------------------------------------ copy, pickle, load
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's state plus what ``__init__`` set, so that ``copy.deepcopy`` and pickling give a
+        working optimizer (launch plans are not carried: they are rebuilt at the next step)."""
+        state = super().__getstate__()
+        state.update(_backend_request=self._backend_request, _master_weights=self._master_weights)
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("_backend_request", "auto")
+        self.__dict__.setdefault("_master_weights", None)
+        self._resolved: dict[torch.device, str] = {}
+        self._plans: dict[int, GroupPlan] = {}
+        self._epoch = 0
+        self._state_dicts: list[dict] = []
+        self._step_supports_amp_scaling = True
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
             group.setdefault("decoupled_weight_decay", self._decoupled_default)
+            for dev in {p.device for p in group["params"]}:
+                self._resolve(dev)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's load, except that with master weights the fp32 moments and master of 16-bit
-        parameters stay fp32 (torch casts floating state to the parameter's dtype). A 16-bit
-        state saved by torch.optim is upcast exactly at the first step."""
+        """torch's load, after checking every saved state tensor against its parameter's shape
+        (a mismatch raises before anything is loaded). With master weights, the moments and master
+        of 16-bit parameters are fp32 (torch casts floating state to the parameter's dtype): an fp32
+        saved state is kept as saved, a 16-bit one (saved by torch.optim, or a 16-bit master) is
+        upcast exactly."""
         saved = state_dict["state"]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
+        for p, sid in zip(params, saved_ids):
+            for k in _FP32_STATE_KEYS:
+                v = saved.get(sid, {}).get(k)
+                where = f"state_dict['state'][{sid}]"
+                why = None if v is None else state_error(where, k, v, p, same_device=False)
+                if why is not None:
+                    raise ValueError(f"{why}. Nothing was loaded.")
+        super().load_state_dict(state_dict)
+        self._epoch += 1
         for p, sid in zip(params, saved_ids):
             if not self._uses_master(p) or sid not in saved:
                 continue
             for k in _FP32_STATE_KEYS:
                 v = saved[sid].get(k)
-                if isinstance(v, Tensor) and v.dtype == torch.float32:
-                    self.state[p][k] = v.to(device=p.device, copy=True)
+                if isinstance(v, Tensor):
+                    self.state[p][k] = v.to(device=p.device, dtype=torch.float32, copy=True)
 
     # ------------------------------------------------------------------ state
     def _uses_master(self, p: Tensor) -> bool:
-        return p.dtype in _LOW_PRECISION and self._master_weights is not False
+        return is_low_precision(p.dtype) and self._master_weights is not False
 
-    def _init_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+    def _init_state(self, p: Tensor, group: dict[str, Any], where: str) -> dict[str, Any]:
+        """The state of ``p``, created or brought to the kernel's layout (fp32 moments and master
+        with master weights; contiguous; ``step`` a tensor), after checking shapes and devices."""
         state = self.state[p]
         master = self._uses_master(p)
         sdtype = torch.float32 if (master or p.dtype == torch.float32) else p.dtype
+        zeros = lambda: torch.zeros_like(p, dtype=sdtype, memory_format=torch.contiguous_format)  # noqa: E731
         if len(state) == 0:
-            on_device = group["capturable"]
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+            # On the parameter's device, as torch's fused AdamW: a device found_inf never syncs.
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             # zeros_like keeps DTensor-ness (FSDP2): states are sharded like their parameter
-            state["exp_avg"] = torch.zeros_like(p, dtype=sdtype, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=sdtype, memory_format=torch.contiguous_format)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=sdtype, memory_format=torch.contiguous_format)
+            state["exp_avg"], state["exp_avg_sq"] = zeros(), zeros()
+        if group["amsgrad"] and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = zeros()
         if not torch.is_tensor(state["step"]):
             state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
+            why = state_error(where, k, state[k], p) if k in state else None
+            if why is not None:
+                raise RuntimeError(f"{why}. No parameter was updated.")
         if master and "master_param" not in state:
             # From the 16-bit values: also right after loading a torch.optim state_dict.
             state["master_param"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format).clone()
-        if group["amsgrad"] and "max_exp_avg_sq" not in state:
-            state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=sdtype, memory_format=torch.contiguous_format)
-        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-            if k in state and (state[k].dtype != sdtype or not _local(state[k]).is_contiguous()):
-                state[k] = state[k].to(dtype=sdtype, memory_format=torch.contiguous_format)
+        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
+            want = torch.float32 if k == "master_param" else sdtype
+            if k in state and (state[k].dtype != want or not local(state[k]).is_contiguous()):
+                state[k] = state[k].to(dtype=want, memory_format=torch.contiguous_format)
         return state
 
     # ------------------------------------------------------------------ step
-    def _check_grads(self) -> None:
-        """Every bad gradient is reported before any state changes."""
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                g = p.grad
-                if g is None:
-                    continue
-                where = f"param_groups[{gi}]['params'][{pi}]"
-                if g.is_sparse:
-                    raise RuntimeError(f"{where} has a sparse gradient; {type(self).__name__} does not "
-                                       "support sparse gradients, please consider SparseAdam instead")
-                if g.shape != p.shape:
-                    raise RuntimeError(f"{where}: gradient shape {tuple(g.shape)} does not match the "
-                                       f"parameter's {tuple(p.shape)}")
-                if g.dtype != p.dtype:
-                    raise RuntimeError(f"{where}: gradient dtype {g.dtype} does not match the "
-                                       f"parameter's {p.dtype}")
-                if g.device != p.device:
-                    raise RuntimeError(f"{where}: gradient on {g.device}, parameter on {p.device}")
+    @staticmethod
+    def _check_scalars(gi: int, group: dict[str, Any]) -> None:
+        """Hyper-parameters the kernels take as fp32 must fit in fp32 (torch.optim.AdamW raises too)."""
+        for k in ("lr", "eps", "weight_decay"):
+            v = group[k]
+            if not isinstance(v, Tensor) and abs(float(v)) > _FP32_MAX:
+                raise RuntimeError(f"param_groups[{gi}]['{k}'] = {v!r} cannot be converted to float32 "
+                                   "without overflow (the kernels compute in fp32; torch.optim.AdamW "
+                                   "raises the same); use a finite fp32 value")
+
+    def _check_grads(self, gi: int, group: dict[str, Any], grads: list[Tensor | None]) -> None:
+        """Every bad gradient of group ``gi`` is reported, naming it, before any state changes."""
+        for pi, (p, g) in enumerate(zip(group["params"], grads)):
+            if g is None:
+                continue
+            where = f"param_groups[{gi}]['params'][{pi}]"
+            if g.is_sparse:
+                raise RuntimeError(f"{where} has a sparse gradient; {type(self).__name__} does not "
+                                   "support sparse gradients, please consider SparseAdam instead")
+            if g.shape != p.shape:
+                raise RuntimeError(f"{where}: gradient shape {tuple(g.shape)} does not match the "
+                                   f"parameter's {tuple(p.shape)}")
+            if g.dtype != p.dtype:
+                raise RuntimeError(f"{where}: gradient dtype {g.dtype} does not match the "
+                                   f"parameter's {p.dtype}")
+            if g.device != p.device:
+                raise RuntimeError(f"{where}: gradient on {g.device}, parameter on {p.device}")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, *, grad_scale: Tensor | None = None,
              found_inf: Tensor | None = None) -> float | None:
         """One fused step. ``grad_scale`` (the loss scale: gradients are divided by it) and
         ``found_inf`` (nonzero: skip everything) follow torch's fused AdamW / GradScaler contract;
-        they are also read from ``self.grad_scale`` / ``self.found_inf`` set by GradScaler."""
+        they are also read from ``self.grad_scale`` / ``self.found_inf`` set by GradScaler.
+
+        Atomic: every group's gradients, hyper-parameters and states are checked before any
+        counter or parameter changes. Nothing is read back from the device (see
+        [Note: launch plans] in ``zero_kernels/_launch_plan.py``)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         grad_scale = grad_scale if grad_scale is not None else getattr(self, "grad_scale", None)
         found_inf = found_inf if found_inf is not None else getattr(self, "found_inf", None)
-        self._check_grads()
-        for group in self.param_groups:
-            self._step_group(group, grad_scale, found_inf)
+        states = list(self.state.values())   # a state dict replaced by the user: rebuild the plans
+        if len(states) != len(self._state_dicts) or not all(map(operator.is_, states, self._state_dicts)):
+            self._epoch += 1
+        work = []
+        for gi, group in enumerate(self.param_groups):
+            grads = [p.grad for p in group["params"]]
+            sig = signature(group["params"], grads)
+            plan = self._plans.get(gi)
+            self._check_scalars(gi, group)
+            if plan is None or not plan.matches(sig, self._epoch, group["amsgrad"]):
+                self._check_grads(gi, group, grads)
+                plan = None
+            work.append((gi, group, grads, sig, plan))
+        for k, (gi, group, grads, sig, plan) in enumerate(work):
+            if plan is None:
+                plan = self._build_plan(gi, group, grads, sig)
+                if plan.cacheable:
+                    self._plans[gi] = plan
+                work[k] = (gi, group, grads, sig, plan)
+        self._state_dicts = list(self.state.values())
+        for gi, group, grads, _, plan in work:
+            self._run_plan(group, plan, grads, grad_scale, found_inf)
         return loss
 
-    def _step_group(self, group: dict[str, Any], grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
-        beta1, beta2 = (_scalar(b) for b in group["betas"])
-        adamw = bool(group["decoupled_weight_decay"])
-        # Buckets of tensors that can share one launch: (device, grad dtype, 16-bit dtype, math path)
-        launches: dict[tuple, dict[str, list]] = {}
+    def _build_plan(self, gi: int, group: dict[str, Any], grads: list[Tensor | None], sig: list) -> GroupPlan:
+        """Group ``gi``'s launches (see [Note: launch plans]); validates and initialises states."""
+        launches: dict[tuple, Launch] = {}
+        steps: dict[tuple, list[Tensor]] = {}
         writebacks: list[tuple[Tensor, Tensor]] = []
-        for p in group["params"]:
-            if p.grad is None:
+        params = group["params"]
+        for pi, (p, g) in enumerate(zip(params, grads)):
+            if g is None:
                 continue
-            state = self._init_state(p, group)
-            master = _local(state.get("master_param"))
-            g = _local(p.grad)
-            g = g if g.is_contiguous() else g.contiguous()
-            if master is not None:
-                target, p16 = master, _local(p)
-            else:
-                target, p16 = _local(p), None
+            state = self._init_state(p, group, f"param_groups[{gi}]['params'][{pi}]")
+            master = local(state.get("master_param"))
+            target, p16 = (master, local(p)) if master is not None else (local(p), None)
             if p16 is not None and not p16.is_contiguous():
                 tmp = torch.empty(p16.shape, dtype=p16.dtype, device=p16.device)
                 writebacks.append((p16, tmp))
@@ -256,36 +315,57 @@ class FusedAdam(torch.optim.Optimizer):
                 target = tmp
             ref_only = target.dtype != torch.float32  # master_weights=False with 16-bit params
             key = (p.device, g.dtype, None if p16 is None else p16.dtype, ref_only)
-            b = launches.setdefault(key, {k: [] for k in
-                                          ("p", "g", "m", "v", "vmax", "p16", "step")})
-            b["p"].append(target)
-            b["g"].append(g)
-            b["m"].append(_local(state["exp_avg"]))
-            b["v"].append(_local(state["exp_avg_sq"]))
-            b["vmax"].append(_local(state.get("max_exp_avg_sq")))
-            b["p16"].append(p16)
-            b["step"].append(state["step"])
-        for (device, _, p16_dtype, ref_only), b in launches.items():
-            steps = b["step"]
-            if found_inf is not None:
-                fi = found_inf.to(steps[0].device, torch.float32).reshape(())
-                for s in steps:  # torch's fused path: +1, then -found_inf
-                    s.add_(1.0 - fi)
+            if key not in launches:
+                launches[key] = Launch(device=p.device, p16_dtype=key[2], ref_only=ref_only)
+                steps[key] = []
+            L = launches[key]
+            L.index.append(pi)
+            L.masters.append(target)
+            L.exp_avgs.append(local(state["exp_avg"]))
+            L.exp_avg_sqs.append(local(state["exp_avg_sq"]))
+            if group["amsgrad"]:
+                L.max_exp_avg_sqs.append(local(state["max_exp_avg_sq"]))
+            if p16 is not None:
+                L.params16.append(p16)
+            steps[key].append(state["step"])
+        for key, L in launches.items():
+            L.steps = packed_steps(steps[key], L.device)
+            if steps[key][0]._base is not L.steps:   # a new buffer: its views become the states' steps
+                for k, pi in enumerate(L.index):
+                    self.state[params[pi]]["step"] = L.steps[k]
+        plan = GroupPlan(signature=sig, epoch=self._epoch, amsgrad=bool(group["amsgrad"]),
+                         dtensor=any(local(g) is not g for g in grads if g is not None),
+                         contiguous_grads=all(s[4] for s in sig if s is not None),
+                         launches=list(launches.values()), writebacks=writebacks,
+                         states=[self.state[params[pi]] for L in launches.values() for pi in L.index])
+        plan.snapshot()
+        return plan
+
+    def _run_plan(self, group: dict[str, Any], plan: GroupPlan, grads: list[Tensor | None],
+                  grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+        """The launches of one group: device ops and kernel calls only, no host read-back."""
+        beta1, beta2 = (_scalar(b) for b in group["betas"])
+        adamw = bool(group["decoupled_weight_decay"])
+        for L in plan.launches:
+            device, steps = L.device, L.steps
+            if found_inf is not None:   # torch's fused path: +1, then -found_inf, on the device
+                steps.add_(1.0 - found_inf.to(steps.device, torch.float32).reshape(()))
             else:
-                torch._foreach_add_(steps, 1.0)
+                steps.add_(1.0)
             coeffs = compute_coeffs(steps, group["lr"], beta1, beta2, group["weight_decay"], adamw,
                                     device=device)
             gs = None
             if grad_scale is not None:
                 gs = grad_scale.to(device, torch.float32).reshape(1).reciprocal()
             fi_dev = None if found_inf is None else found_inf.to(device, torch.float32).reshape(1)
-            fn = fused_adam_ref if ref_only else backends.get(self._resolved.get(device)
-                                                               or self._resolve(device))
-            fn(b["p"], b["g"], b["m"], b["v"], b["vmax"] if group["amsgrad"] else None,
-               b["p16"] if p16_dtype is not None else None, coeffs,
+            fn = fused_adam_ref if L.ref_only else backends.get(self._resolved.get(device)
+                                                                 or self._resolve(device))
+            fn(L.masters, plan.grads_for(L, grads), L.exp_avgs, L.exp_avg_sqs,
+               L.max_exp_avg_sqs if group["amsgrad"] else None,
+               L.params16 if L.p16_dtype is not None else None, coeffs,
                beta1=beta1, beta2=beta2, eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                adamw=adamw, maximize=bool(group["maximize"]), grad_scale=gs, found_inf=fi_dev)
-        for dst, tmp in writebacks:
+        for dst, tmp in plan.writebacks:
             dst.copy_(tmp)
 
     def _resolve(self, device: torch.device) -> str:
