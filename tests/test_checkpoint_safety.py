@@ -31,6 +31,7 @@ from _dist import run_world  # noqa: E402
 
 import zero_kernels as zk  # noqa: E402
 from zero_kernels import checkpoint as ck  # noqa: E402
+from zero_kernels.state_keys import canonical_names  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -200,6 +201,18 @@ def _wrapped_job(rank_, world, tmp):
     for k in want:
         assert got[k].shape == want[k].shape, (k, got[k].shape)
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
+    # The Hugging Face pattern (item 7's checkpoint part): save the full state dict, reload it strictly
+    # into a fresh unwrapped model, same outputs as the ZeRO-3 model.
+    weights = os.path.join(tmp, "pytorch_model.bin")
+    if rank_ == 0:
+        torch.save(got, weights)
+    barrier()
+    fresh = gpt2(seed=9)
+    fresh.load_state_dict(torch.load(weights, weights_only=True), strict=True)
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    idx = torch.randint(0, fresh.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(idx), model(idx), rtol=1e-6, atol=1e-6)
     root = os.path.join(tmp, "wrapped")
     vdir = zo.save_checkpoint(root)
     barrier()
@@ -263,6 +276,48 @@ def _numel_job(rank_, world, tmp):
 def test_item1_save_checks_recorded_numels_before_complete(tmp_path):
     """A tensor written with fewer elements than recorded fails the save; the previous stays LATEST."""
     run_world(_numel_job, 2, str(tmp_path), timeout=240)
+
+
+class DDPNamed(nn.Module):
+    """DDP's naming (``module.`` before every key) without a process group."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.module = m
+
+    def forward(self, idx):
+        return self.module(idx)
+
+
+def test_item1_wrapper_prefixes_load_across(tmp_path):
+    """Checkpoints match parameters by wrapper-free names: ``module.`` (DDP) and ``_orig_mod.``
+    (torch.compile) prefixes on either side."""
+    src = DDPNamed(gpt2())
+    so = zopt(src, 2)
+    train(src.module, so, 0, 2)
+    want = {k[len("module."):]: v for k, v in so.full_model_state_dict().items()}
+    root = str(tmp_path / "ddp")
+    so.save_checkpoint(root)
+    compiled = torch.compile(gpt2(seed=3))                 # never called: only its names matter here
+    assert all(n.startswith("_orig_mod.") for n, _ in compiled.named_parameters())
+    co = zopt(compiled, 1, lr=3.0)
+    co.load_checkpoint(root)
+    got = co.full_model_state_dict()
+    assert sorted(got) == sorted("_orig_mod." + k for k in want)
+    for k, v in want.items():
+        assert torch.equal(got["_orig_mod." + k], v), k
+    assert co.param_groups[0]["lr"] == 1e-2
+    root2 = str(tmp_path / "compiled")
+    co.save_checkpoint(root2)
+    plain = gpt2(seed=4)
+    po = zopt(plain, 2)
+    po.load_checkpoint(root2)
+    for k, v in po.full_model_state_dict().items():
+        assert torch.equal(v, want[k]), k
+    cons = ck.consolidate(root2)["model"]                  # keys as the saving module's state_dict
+    assert sorted(cons) == sorted("_orig_mod." + k for k in want)
+    with pytest.raises(ValueError, match="same without wrapper prefixes"):
+        canonical_names(["a._orig_mod.w", "a.w"])
 
 
 # ---- item 3: never delete what the project did not write ------------------------------------------------

@@ -15,9 +15,15 @@ A checkpoint *root* holds versioned directories and a pointer to the newest comp
                                      shape, working dtype, param group and step, the param groups'
                                      hyperparameters, Adam vs AdamW, the loss-scaler state and
                                      skipped-step counter, the module's state_dict key order and
-                                     parameter registration order, the shard file names.
+                                     parameter registration order, the shard file names,
+                                     ``state_dict_params`` (state-dict key -> layout parameter index,
+                                     joined by identity: [Note: state-dict keys] in state_keys.py) and
+                                     ``tensors`` (the element count of every tensor of a shard and of
+                                     model_rest.pt).
     ckpt/v000007/model_rest.pt       rank 0; frozen parameters and buffers (torch.save of a flat
-                                     {name: tensor} dict)
+                                     {state-dict key: tensor} dict)
+    ckpt/v000007/.zero_kernels       written first: marks the directory as ours
+                                     ([Note: checkpoint ownership] in checkpoint_format.py)
     ckpt/v000007/shard-00001-of-00004.pt
                                      rank 1's shard: torch.save of a flat {key: tensor} dict with, per
                                      bucket i of the saved layout, ``b{i}.master``, ``b{i}.exp_avg``,
@@ -29,22 +35,28 @@ A checkpoint *root* holds versioned directories and a pointer to the newest comp
     ckpt/v000007/COMPLETE            written LAST: JSON {"format", "format_version", "files":
                                      {name: {"bytes", "sha256"}}}
 
-Every file is written to a temporary name, flushed, fsync'ed and renamed; the version directory is
-fsync'ed, then COMPLETE, then LATEST is replaced. A save that dies anywhere before that leaves
-LATEST naming the previous complete version, so the previous checkpoint stays loadable; the
-half-written directory is removed by the next successful save (which keeps ``keep`` complete
-versions, default 1). All files are read with ``torch.load(weights_only=True)`` (no code objects)
-or ``json``. Every rank must see the same filesystem path (a shared or local filesystem).
+Every file is written to a temporary name, flushed, fsync'ed and renamed, and every tensor file is
+read back (mmap) and checked against the element counts recorded for it; then the version directory
+is fsync'ed, then COMPLETE, then LATEST is replaced. A save that fails or dies anywhere before that
+(a short tensor included, or a peer that exits: CheckpointError on the other ranks) leaves LATEST
+naming the previous complete version, so the previous checkpoint stays loadable; the half-written
+directory is removed by the next successful save (which keeps ``keep`` complete versions, default
+1, and removes only what it wrote). All files are read with ``torch.load(weights_only=True)`` (no
+code objects) or ``json``, through plain names that stay inside the checkpoint ([Note: checkpoint
+names]), with sha256 checks by default ([Note: checkpoint integrity]). Every rank must see the same
+filesystem path (a shared or local filesystem).
 
 [Note: resharding]
 Loading maps the saved (layout A, world A) onto the loader's (layout B, world B) through parameter
-*names* and per-parameter flat offsets, never through bucket positions (bucket layouts differ
-across stages, world sizes and bucket sizes). For every piece of its own slices (Layout.pieces:
+*names* (wrapper-free: saved under torch's activation-checkpoint wrapper, ``torch.compile`` or DDP,
+it loads without them, and back) and per-parameter flat offsets, never through bucket positions
+(bucket layouts differ across stages, world sizes and bucket sizes). For every piece of its own slices (Layout.pieces:
 parameter p, elements [k, k+n) of p), a loading rank finds p in layout A (offset o, bucket a),
 the element range [o+k, o+k+n) of bucket a, and the saved ranks whose slices cover it
 (rank = element // shard_numel_A); it reads exactly those ranges from those shard files, opened
-with ``torch.load(mmap=True)``, so only the pages it needs are touched and its memory stays near
-its own shard size. Steps, hyperparameters and loss-scaler state come from the checkpoint.
+with ``torch.load(mmap=True)``, so its memory stays near its own shard size (with ``verify=True``,
+the default, each shard file it opens is hashed whole once; ``verify=False`` touches only the pages
+it needs). Steps, hyperparameters and loss-scaler state come from the checkpoint.
 Everything is read and checked (files present, sizes match COMPLETE, format version, parameter
 names and shapes, buffers) and the ranks agree that nobody failed BEFORE any state is changed.
 """

@@ -7,7 +7,7 @@ the directory is created) or a COMPLETE marker of our format (checkpoints writte
 file existed). Only our version directories count as versions, and pruning removes only the files a
 save writes (COMPLETE, metadata.json, model_rest.pt, shard files, the owner file, temporaries) and
 then the directory if it is empty: anything else a user put there survives. A save refuses a
-non-empty directory that is not a checkpoint root (neither LATEST nor one of our versions).
+non-empty directory that is not a checkpoint root (none of our versions inside).
 
 [Note: checkpoint names]
 LATEST, the shard and model_rest names in metadata.json and the file names in COMPLETE are plain
@@ -119,16 +119,16 @@ def versions(root: str) -> list[tuple[int, str]]:
 
 
 def check_root(root: str) -> None:
-    """A save may write under ``root``: absent, empty, or a checkpoint root (LATEST or our versions)."""
+    """A save may write under ``root``: absent, empty, or a checkpoint root (one of our versions)."""
     if os.path.exists(root) and not os.path.isdir(root):
         raise CheckpointError(f"checkpoint path {root!r} exists and is not a directory")
     if not os.path.isdir(root) or not os.listdir(root):
         return
-    if os.path.isfile(os.path.join(root, "LATEST")) or versions(root):
+    if versions(root):
         return
     raise CheckpointError(f"{root!r} is a non-empty directory that is not a zero_kernels checkpoint root (no "
-                          "LATEST, no version directory written by zero_kernels): refusing to save there, "
-                          "since saves prune old versions; choose a new or empty directory")
+                          "version directory written by zero_kernels): refusing to save there, since saves "
+                          "replace LATEST and prune old versions; choose a new or empty directory")
 
 
 def new_version(root: str) -> str:
