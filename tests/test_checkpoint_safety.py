@@ -31,6 +31,7 @@ from _dist import run_world  # noqa: E402
 
 import zero_kernels as zk  # noqa: E402
 from zero_kernels import checkpoint as ck  # noqa: E402
+from zero_kernels import checkpoint_tools as ckt  # noqa: E402
 from zero_kernels.state_keys import canonical_names  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -436,7 +437,7 @@ def test_item18_consolidate_layout_out_of_range(tmp_path):
     # The coverage count itself: a piece missing from an otherwise valid layout is caught.
     vdir = ck.resolve(good)
     marker, meta = ck.read_metadata(vdir)
-    lay = ck._saved_layout(meta, "metadata.json")
+    lay = ck.saved_layout(meta, "metadata.json")
 
     class Dropping:
         world_size, buckets, params = lay.world_size, lay.buckets, lay.params
@@ -444,7 +445,7 @@ def test_item18_consolidate_layout_out_of_range(tmp_path):
         def pieces(self, b, r):
             return lay.pieces(b, r)[1:] if (b, r) == (0, 0) else lay.pieces(b, r)
     with pytest.raises(ck.CheckpointError, match="covered 0 times"):
-        ck._full_states(vdir, marker, meta, Dropping(), ["master"], True)
+        ckt._full_states(vdir, marker, meta, Dropping(), ["master"], True)
     assert len(ck.consolidate(good)["model"]) == 57          # 53 parameter entries + 4 buffers
 
 

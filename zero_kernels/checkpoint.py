@@ -65,15 +65,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import uuid
 from typing import Any, Callable
 
 import torch
 
-from .checkpoint_format import (FORMAT, FORMAT_VERSION, CheckpointError, Shards, check_numels, fsync_dir,
-                                json_bytes, load_small, new_version, prune, read_metadata, resolve, safe_join,
-                                sha256_file, shard_name, validate_layout, versions)
-from .state_keys import canonical_names, keyed_state
+from .checkpoint_format import (FORMAT, FORMAT_VERSION, CheckpointError, Shards, atomic_write, canonical,
+                                check_numels, fsync_dir, json_bytes, load_small, new_version, param_names,
+                                prune, read_metadata, resolve, saved_layout, shard_name, versions)
+from .checkpoint_tools import consolidate, inspect
+from .state_keys import keyed_state
 
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "inspect", "resolve", "read_metadata",
            "CheckpointError", "FORMAT", "FORMAT_VERSION"]
@@ -85,19 +85,8 @@ _FAULT: Callable[[int, str], None] | None = None
 
 # ---- small file helpers -----------------------------------------------------------------------
 def _atomic_write(final: str, write: Callable[[Any], None], rank: int) -> dict:
-    """write(f) into a temp file next to ``final``, fsync, rename; returns {"bytes", "sha256"}."""
-    tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    info = {"bytes": os.path.getsize(final), "sha256": sha256_file(final)}
+    """atomic_write, then the test hook."""
+    info = atomic_write(final, write)
     if _FAULT is not None:
         _FAULT(rank, os.path.basename(final))
     return info
@@ -301,37 +290,14 @@ def _saved_ranges(bspec, offset: int, numel: int):
         pos = stop
 
 
-def _saved_layout(meta: dict, meta_path: str):
-    from .zero.layout import Layout
-    try:
-        lay = Layout.from_dict(meta["layout"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{meta_path}: unreadable layout: {type(e).__name__}: {e}") from e
-    validate_layout(lay, meta_path)
-    if len(meta["shards"]) != lay.world_size:
-        raise CheckpointError(f"{meta_path}: {len(meta['shards'])} shard files for world size {lay.world_size}")
-    return lay
-
-
-def _canonical(names, where: str) -> dict[str, str]:
-    try:
-        return canonical_names(names)
-    except ValueError as e:
-        raise CheckpointError(f"{where}: {e}") from e
-
-
-def _names(p) -> tuple[str, ...]:
-    return (p.name,) + tuple(p.aliases)
-
-
 def _match(mine, saved, meta_path: str) -> dict:
     """{loader parameter index: saved ParamSpec}, by wrapper-free names ([Note: state-dict keys])."""
-    sc = _canonical([n for p in saved.params for n in _names(p)], meta_path)
-    by_name = {sc[n]: p for p in saved.params for n in _names(p)}
-    mc = _canonical([n for p in mine.params for n in _names(p)], "the model")
+    sc = canonical([n for p in saved.params for n in param_names(p)], meta_path)
+    by_name = {sc[n]: p for p in saved.params for n in param_names(p)}
+    mc = canonical([n for p in mine.params for n in param_names(p)], "the model")
     out = {}
     for p in mine.params:
-        sp = next((by_name[mc[n]] for n in _names(p) if mc[n] in by_name), None)
+        sp = next((by_name[mc[n]] for n in param_names(p) if mc[n] in by_name), None)
         if sp is None:
             raise CheckpointError(f"{meta_path}: the model's trainable parameter {p.name!r} (shape "
                                   f"{tuple(p.shape)}) is not in the checkpoint")
@@ -353,7 +319,7 @@ def _match(mine, saved, meta_path: str) -> dict:
 def _check_fit(opt, meta: dict, meta_path: str) -> dict:
     """Parameter names, shapes, groups and optimizer kind must match the loader's model; returns
     ``_match`` of the loader's parameters onto the saved ones."""
-    match = _match(opt.layout, _saved_layout(meta, meta_path), meta_path)
+    match = _match(opt.layout, saved_layout(meta, meta_path), meta_path)
     if len(meta["param_groups"]) != len(opt.param_groups):
         raise CheckpointError(f"{meta_path}: {len(meta['param_groups'])} param groups in the checkpoint, "
                               f"{len(opt.param_groups)} here")
@@ -423,7 +389,7 @@ def _load_rest(opt, vdir: str, marker: dict, meta: dict, verify: bool) -> dict:
     rest_path = os.path.join(vdir, meta["model_rest"])
     saved = load_small(vdir, meta["model_rest"], marker, verify, meta.get("tensors", {}).get("model_rest.pt"))
     mine = {k: v for k, ps, v in _keyed(opt) if ps is None}
-    mc, sc = _canonical(mine, "the model"), _canonical(saved, rest_path)
+    mc, sc = canonical(mine, "the model"), canonical(saved, rest_path)
     by_c = {sc[k]: k for k in saved}
     out = {}
     for k, v in mine.items():
@@ -476,135 +442,6 @@ def _stage_load(opt, path, verify, Layout, dtype_from_name):
         if p16 is not None:
             new16[b.index] = p16
     return new_state, new16, meta, rest, shards, steps
-
-
-# ---- offline tools -------------------------------------------------------------------------------
-def _torch_group(meta: dict, g: dict) -> dict:
-    """A param group dict with every key torch.optim.AdamW / Adam would hold (params excluded)."""
-    cls = torch.optim.AdamW if meta["optimizer"] == "AdamW" else torch.optim.Adam
-    kw = {k: g[k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize") if k in g}
-    kw["betas"] = tuple(kw.get("betas", (0.9, 0.999)))
-    dummy = cls([torch.zeros(1, requires_grad=True)], **kw)
-    out = {k: v for k, v in dummy.param_groups[0].items() if k != "params"}
-    return out
-
-
-def _full_states(vdir: str, marker: dict, meta: dict, lay, keys: list[str], verify: bool) -> dict:
-    """{state key: {parameter index: full fp32 tensor}}, one shard file mapped at a time; every
-    element of every output written exactly once (counted, CheckpointError otherwise)."""
-    full = {k: {p.index: torch.empty(p.shape, dtype=torch.float32) for p in lay.params} for k in keys}
-    cover = {p.index: torch.zeros(p.numel, dtype=torch.uint8) for p in lay.params}
-    shards = Shards(vdir, meta, marker, verify)
-    for r in range(lay.world_size):
-        for b in lay.buckets:
-            for pc in lay.pieces(b.index, r):
-                dst = slice(pc.param_start, pc.param_start + pc.numel)
-                cover[pc.param][dst] += 1
-                for k in keys:
-                    src = shards.get(r, f"b{b.index}.{k}")[pc.start:pc.start + pc.numel]
-                    full[k][pc.param].view(-1)[dst].copy_(src)
-        shards.close(r)
-    for p in lay.params:
-        bad = (cover[p.index] != 1).nonzero()
-        if bad.numel():
-            i = int(bad[0])
-            raise CheckpointError(f"{vdir}/metadata.json: element {i} of parameter {p.name!r} is covered "
-                                  f"{int(cover[p.index][i])} times by the saved layout ({bad.numel()} of "
-                                  f"{p.numel} elements not exactly once): refusing to write uninitialised values")
-    return full
-
-
-def _model_entries(meta: dict, lay, master: dict, rest: dict) -> dict:
-    """The consolidated model state dict, joined through the recorded key -> parameter index map
-    (name join, wrapper-free, for checkpoints written before it was recorded)."""
-    index = meta.get("state_dict_params")
-    if index is None:
-        c = canonical_names(n for p in lay.params for n in _names(p))
-        by_c = {c[n]: p.index for p in lay.params for n in _names(p)}
-        index = {k: by_c[ck] for k, ck in canonical_names(meta["state_dict_keys"]).items() if ck in by_c}
-    model = {}
-    for k in meta["state_dict_keys"]:
-        if k in index:
-            model[k] = master[index[k]]
-        elif k in rest:
-            model[k] = rest[k].float() if rest[k].is_floating_point() else rest[k]
-        else:
-            raise CheckpointError(f"{meta.get('version_dir')}/metadata.json: state-dict key {k!r} is neither a "
-                                  "trainable parameter nor in model_rest.pt")
-    return model
-
-
-@torch.no_grad()
-def consolidate(path, out: str | None = None, verify: bool = True) -> dict:
-    """Full fp32 model state dict + a torch.optim.AdamW/Adam state dict, built shard by shard
-    (one shard file mapped at a time; no process group). Writes it to ``out`` (atomically) when given.
-    ``verify=False`` skips the sha256 of the tensor files ([Note: checkpoint integrity]).
-
-    Result: {"model": state_dict (trainable parameters as fp32 masters, tied names sharing one
-    tensor, frozen parameters and floating buffers as fp32), "optimizer": torch optimizer state
-    dict whose parameter indices follow, group by group, the module's registration order of
-    trainable parameters (``param_names`` lists them), "param_names", "metadata"}."""
-    vdir = resolve(path)
-    marker, meta = read_metadata(vdir)
-    lay = _saved_layout(meta, os.path.join(vdir, "metadata.json"))
-    keys = ["master", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if meta.get("amsgrad_state") else [])
-    full = _full_states(vdir, marker, meta, lay, keys, verify)
-    rest = load_small(vdir, meta["model_rest"], marker, verify, meta.get("tensors", {}).get("model_rest.pt"))
-    model = _model_entries(meta, lay, full["master"], rest)
-    steps = {p.index: p_meta["step"] for p, p_meta in zip(lay.params, meta["params"])}
-    order = {n: i for i, n in enumerate(meta["registration_order"])}
-    groups, state, names = [], {}, []
-    idx = 0
-    for gi, g in enumerate(meta["param_groups"]):
-        members = sorted((p for p in lay.params if p.group == gi), key=lambda p: order.get(p.name, 1 << 30))
-        tg = _torch_group(meta, g)
-        tg["params"] = []
-        gnames = []
-        for p in members:
-            if steps[p.index] > 0:
-                s = {"step": torch.tensor(float(steps[p.index]), dtype=torch.float32),
-                     "exp_avg": full["exp_avg"][p.index], "exp_avg_sq": full["exp_avg_sq"][p.index]}
-                if tg.get("amsgrad"):
-                    s["max_exp_avg_sq"] = full["max_exp_avg_sq"][p.index] if "max_exp_avg_sq" in full else \
-                        torch.zeros(p.shape)
-                state[idx] = s
-            tg["params"].append(idx)
-            gnames.append(p.name)
-            idx += 1
-        groups.append(tg)
-        names.append(gnames)
-    summary = {k: meta[k] for k in ("format", "format_version", "stage", "world_size", "psi", "optimizer",
-                                    "loss_scaler", "skipped_steps")}
-    result = {"model": model, "optimizer": {"state": state, "param_groups": groups}, "param_names": names,
-              "metadata": summary}
-    if out is not None:
-        _atomic_write(os.fspath(out), lambda f: torch.save(result, f), 0)
-    return result
-
-
-def inspect(path, file=None) -> dict:
-    """Print a checkpoint's metadata (no tensors are read); returns it."""
-    file = file or sys.stdout
-    vdir = resolve(path)
-    marker, meta = read_metadata(vdir)
-    w = lambda s="": print(s, file=file)  # noqa: E731
-    w(f"checkpoint     {vdir}")
-    w(f"format         {meta['format']} version {meta['format_version']} (torch {meta['torch_version']})")
-    w(f"saved by       Zero{meta['optimizer']} stage {meta['stage']}, world size {meta['world_size']}, "
-      f"layout {meta['layout_fingerprint']}, bucket_size {meta['layout']['bucket_size']}")
-    w(f"parameters     Psi = {meta['psi']:,} trainable elements in {len(meta['params'])} tensors, "
-      f"{len(meta['layout']['buckets'])} buckets")
-    w(f"loss scaler    {meta['loss_scaler']}; skipped steps {meta['skipped_steps']}")
-    for i, g in enumerate(meta["param_groups"]):
-        w(f"param group {i}  " + ", ".join(f"{k}={v}" for k, v in g.items()))
-    w("files")
-    for n, info in marker["files"].items():
-        w(f"  {n:<28} {info['bytes']:>12,} bytes  sha256 {info['sha256'][:16]}")
-    w(f"{'name':<40} {'shape':<16} {'dtype':<9} {'group':>5} {'step':>6}")
-    for p in meta["params"]:
-        nm = p["name"] + (f" (= {', '.join(p['aliases'])})" if p["aliases"] else "")
-        w(f"{nm:<40} {str(tuple(p['shape'])):<16} {p['dtype']:<9} {p['group']:>5} {p['step']:>6}")
-    return meta
 
 
 def main(argv=None) -> int:

@@ -29,12 +29,17 @@ import json
 import math
 import os
 import re
+import uuid
+from typing import Any, Callable
 
 import torch
 
+from .state_keys import canonical_names
+
 __all__ = ["FORMAT", "FORMAT_VERSION", "OWNER_FILE", "CheckpointError", "shard_name", "safe_join", "versions",
            "check_root", "new_version", "prune", "resolve", "read_metadata", "validate_layout", "load_small",
-           "check_numels", "Shards", "sha256_file", "fsync_dir", "json_bytes"]
+           "check_numels", "Shards", "sha256_file", "fsync_dir", "json_bytes", "atomic_write", "saved_layout",
+           "canonical", "param_names"]
 
 FORMAT = "zero_kernels.checkpoint"
 FORMAT_VERSION = 1
@@ -71,6 +76,22 @@ def sha256_file(path: str) -> str:
 
 def json_bytes(obj) -> bytes:
     return json.dumps(obj, indent=1, sort_keys=False).encode()
+
+
+def atomic_write(final: str, write: Callable[[Any], None]) -> dict:
+    """write(f) into a temp file next to ``final``, fsync, rename; returns {"bytes", "sha256"}."""
+    tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return {"bytes": os.path.getsize(final), "sha256": sha256_file(final)}
 
 
 def shard_name(rank: int, world: int) -> str:
@@ -265,6 +286,32 @@ def validate_layout(lay, where: str) -> None:
             raise CheckpointError(f"{where}: bucket {b.index} records {b.numel} elements, its parameters {pos}")
     if len(seen) != len(lay.params):
         raise CheckpointError(f"{where}: {len(lay.params) - len(seen)} parameter(s) belong to no bucket")
+
+
+def saved_layout(meta: dict, meta_path: str):
+    """The saved Layout, validated (``validate_layout``) and matching the shard count."""
+    from .zero.layout import Layout         # lazily: zero_kernels.zero imports torch.distributed
+    try:
+        lay = Layout.from_dict(meta["layout"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{meta_path}: unreadable layout: {type(e).__name__}: {e}") from e
+    validate_layout(lay, meta_path)
+    if len(meta["shards"]) != lay.world_size:
+        raise CheckpointError(f"{meta_path}: {len(meta['shards'])} shard files for world size {lay.world_size}")
+    return lay
+
+
+def canonical(names, where: str) -> dict[str, str]:
+    """canonical_names ([Note: state-dict keys]) with a collision reported as CheckpointError."""
+    try:
+        return canonical_names(names)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from e
+
+
+def param_names(p) -> tuple[str, ...]:
+    """A ParamSpec's name and its aliases (tied weights)."""
+    return (p.name,) + tuple(p.aliases)
 
 
 def _check_tensor(t, key: str, expected: dict | None, path: str) -> None:
