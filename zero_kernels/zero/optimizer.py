@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from .. import backends
 from ..reference import compute_coeffs
+from ..state_keys import keyed_state
 from . import collectives as C
 from .buckets import FlatBucket
 from .flat import flatten
@@ -598,10 +599,8 @@ class ZeroAdamW(torch.optim.Optimizer):
                 t = flat[ps.offset:ps.offset + ps.numel].view(ps.shape).clone()
                 for n in (ps.name,) + ps.aliases:
                     full[n] = t
-        out = {}
-        for k, v in self.module.state_dict().items():
-            out[k] = full[k] if k in full else v.detach().clone()
-        return out
+        return {k: full[ps.name] if ps is not None else v.detach().clone()     # [Note: state-dict keys]
+                for k, ps, v in keyed_state(self.module, self.buckets)}
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard: per bucket its fp32 slices, per parameter its step, the hyperparameters,
@@ -670,11 +669,12 @@ class ZeroAdamW(torch.optim.Optimizer):
         with C.timeout_scope(self._timeout, self.process_group):
             return save_checkpoint(self, path)
 
-    def load_checkpoint(self, path) -> None:
-        """Collective: load a checkpoint saved at any world size / stage / bucket size."""
+    def load_checkpoint(self, path, verify: bool = True) -> None:
+        """Collective: load a checkpoint saved at any world size / stage / bucket size
+        (``verify=False`` skips the sha256 check of the tensor files)."""
         from ..checkpoint import load_checkpoint
         with C.timeout_scope(self._timeout, self.process_group):
-            load_checkpoint(self, path)
+            load_checkpoint(self, path, verify=verify)
 
 
 def _bucket_class(stage: int):
