@@ -71,6 +71,8 @@ CASES = {
     "plain_bias_correction_betas": Case(True, dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
                                         dict(betas=(0.95, 0.8))),
     "eps_small_grads": Case(True, dict(lr=1e-2, eps=1e-6), dict(eps=1e-8), mults=(1e-6,) * 6),
+    "eps_small_grads_amsgrad": Case(False, dict(lr=1e-2, eps=1e-6, amsgrad=True), dict(eps=1e-8),
+                                    mults=(1e-6,) * 6),
     "maximize_adamw": Case(True, dict(lr=1e-2, weight_decay=0.1, maximize=True), dict(maximize=False)),
     "maximize_adam_l2": Case(False, dict(lr=1e-2, weight_decay=0.5, maximize=True), dict(maximize=False)),
     "amsgrad_decreasing": Case(True, dict(lr=1e-2, betas=(0.9, 0.5), amsgrad=True), dict(amsgrad=False),
