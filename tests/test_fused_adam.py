@@ -287,14 +287,20 @@ def test_grad_scaler_round_trip_with_injected_inf(backend, dtype):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grad_scale_and_found_inf_kwargs(backend):
-    p, q = make_params(8, shapes=[(100,)]), make_params(8, shapes=[(100,)])
-    oz = zk.FusedAdamW(p, lr=1e-2, backend=backend)
-    ot = torch.optim.AdamW(q, lr=1e-2)
-    set_grads([p, q], 0, 8)
+    # Adam with L2 decay and a large eps: the step depends on the gradient's scale (plain Adam is
+    # scale-invariant up to eps, so a dropped or inverted grad_scale would pass unnoticed)
+    hp = dict(lr=1e-2, weight_decay=0.1, eps=1e-3)
+    p, q, c = (make_params(8, shapes=[(100,)]) for _ in range(3))
+    oz = zk.FusedAdam(p, backend=backend, **hp)
+    ot, oc = torch.optim.Adam(q, **hp), torch.optim.Adam(c, **hp)
+    set_grads([p, q, c], 0, 8)
     p[0].grad.mul_(64.0)
+    c[0].grad.mul_(64.0)
     oz.step(grad_scale=torch.tensor(64.0), found_inf=torch.tensor(0.0))
     ot.step()
+    oc.step()
     torch.testing.assert_close(p[0], q[0], rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(c[0], q[0], rtol=1e-6, atol=1e-7), "negative control: the scale must matter"
     before = p[0].detach().clone()
     oz.step(grad_scale=torch.tensor(64.0), found_inf=torch.tensor(1.0))
     assert torch.equal(before, p[0].detach()) and float(oz.state[p[0]]["step"]) == 1
