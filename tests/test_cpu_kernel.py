@@ -16,12 +16,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import zlib
 
 import pytest
 import torch
 
 from zero_kernels import _ext
 from zero_kernels.reference import compute_coeffs, fused_adam_ref
+from test_fused_adam import CASES, CASE_SHAPES, assert_close_rel, bf16_tie_masters, make_params, run_torch, set_grads
 
 C = _ext.cpu_module()
 needs_ext = pytest.mark.skipif(C is None, reason=f"C++ extension unavailable: {_ext.load_error()}")
@@ -71,6 +73,55 @@ def assert_state_equal(x, y):
                                b.view(torch.int8) if b.dtype != torch.float32 else b.view(torch.int32))
 
 
+# ----------------------------------------------------------------------------- parity with torch.optim
+@needs_ext
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_each_hyperparameter_matters(name):
+    """The raw kernel (scalar tails and SIMD bodies: CASE_SHAPES) on the cases of [Note: sensitive
+    cases] in test_fused_adam.py, against torch.optim with the same resolved hyper-parameters."""
+    case, seed = CASES[name], 41
+    ref, opt = run_torch(case, case.hp, seed)
+    g0 = opt.param_groups[0]
+    (b1, b2), wd, lr = g0["betas"], g0["weight_decay"], g0["lr"]
+    masters = [p.detach().clone() for p in make_params(seed, shapes=CASE_SHAPES)]
+    ms, vs = [torch.zeros_like(p) for p in masters], [torch.zeros_like(p) for p in masters]
+    vmax = [torch.zeros_like(p) for p in masters] if g0["amsgrad"] else None
+    holders = make_params(seed, shapes=CASE_SHAPES)
+    scale = case.grad_scale or 1.0
+    for step, mult in enumerate(case.mults):
+        set_grads([holders], step, seed)
+        grads = [h.grad * (mult * scale) for h in holders]
+        co = compute_coeffs([torch.tensor(float(step + 1))] * len(masters), lr, b1, b2, wd, case.adamw)
+        _ext.fused_adam_cpu(masters, grads, ms, vs, vmax, None, co, beta1=b1, beta2=b2, eps=g0["eps"],
+                            weight_decay=wd, adamw=case.adamw, maximize=g0["maximize"],
+                            grad_scale=None if case.grad_scale is None else torch.tensor([1.0 / scale]))
+    for i, q in enumerate(ref):
+        st = opt.state[q]
+        assert_close_rel(masters[i], q.detach(), what=f"param {i}")
+        assert_close_rel(ms[i], st["exp_avg"], what=f"exp_avg {i}")
+        assert_close_rel(vs[i], st["exp_avg_sq"], what=f"exp_avg_sq {i}")
+        if vmax is not None:
+            assert_close_rel(vmax[i], st["max_exp_avg_sq"], what=f"max_exp_avg_sq {i}")
+
+
+def _run_ties(n=1003):
+    """bf16 output of a step with lr = 0 on tie-heavy masters (the master is unchanged)."""
+    master = bf16_tie_masters(n, seed=9)
+    g, m, v = torch.randn(n, generator=torch.Generator().manual_seed(9)), torch.zeros(n), torch.zeros(n)
+    p16 = torch.zeros(n, dtype=torch.bfloat16)
+    _ext.fused_adam_cpu([master], [g], [m], [v], None, [p16], torch.tensor([[0.0, 1.0, 1.0]]),
+                        **hyper(True, False, wd=0.0))
+    return master, p16
+
+
+@needs_ext
+def test_bf16_ties_bitwise():
+    """RNE on exact ties, in the SIMD body and the scalar tail (other ISAs: the SIMD-path test)."""
+    master, p16 = _run_ties()
+    assert torch.equal(p16.view(torch.int16), master.bfloat16().view(torch.int16))
+    assert int(((master.view(torch.int32) & 0xFFFF) == 0x8000).sum()) > 300   # ties are present
+
+
 # ----------------------------------------------------------------------------- parity with reference
 @needs_ext
 @pytest.mark.parametrize("gdt", ["fp32", "bf16", "fp16"])
@@ -79,7 +130,8 @@ def assert_state_equal(x, y):
 @pytest.mark.parametrize("adamw", [False, True])
 @pytest.mark.parametrize("maximize", [False, True])
 def test_matches_reference(gdt, pdt, ams, adamw, maximize):
-    gen = torch.Generator().manual_seed(hash((gdt, pdt, ams, adamw, maximize)) % 2**31)
+    # a stable seed per case (hash() of a str tuple changes with PYTHONHASHSEED)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((gdt, pdt, ams, adamw, maximize)).encode()))
     sizes = [1003, 33, 4099, 1]
     ref = make_state(sizes, DT[gdt], DT[pdt], ams, gen)
     ker = clone_state(ref)
@@ -93,8 +145,10 @@ def test_matches_reference(gdt, pdt, ams, adamw, maximize):
     for name, i in (("master", 0), ("exp_avg", 2), ("exp_avg_sq", 3), ("max_exp_avg_sq", 4)):
         if ref[i] is None:
             continue
+        # FMA vs separate roundings, amplified when m's update cancels (measured: at most 1/4 of
+        # this budget over 192 random cases; 2e-6 was exceeded by about one seed in 60)
         for a, b in zip(ker[i], ref[i]):
-            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     # Grads are read-only.
     for a, b in zip(ker[1], start[1]):
         assert torch.equal(a, b)
@@ -123,6 +177,7 @@ def test_matches_torch_optim(adamw, amsgrad, maximize):
     opt = cls(params, lr=lr, betas=(B1, B2), eps=EPS, weight_decay=wd, amsgrad=amsgrad,
               maximize=maximize, foreach=False)
     masters = [p.detach().clone() for p in params]
+    initial = [p.detach().clone() for p in params]
     ms = [torch.zeros(n) for n in sizes]
     vs = [torch.zeros(n) for n in sizes]
     vmax = [torch.zeros(n) for n in sizes] if amsgrad else None
@@ -134,12 +189,18 @@ def test_matches_torch_optim(adamw, amsgrad, maximize):
         co = compute_coeffs([torch.tensor(float(step))] * len(sizes), lr, B1, B2, wd, adamw)
         _ext.fused_adam_cpu(masters, grads, ms, vs, vmax, None, co, beta1=B1, beta2=B2, eps=EPS,
                             weight_decay=wd, adamw=adamw, maximize=maximize)
-    for p, mst, m, v in zip(params, masters, ms, vs):
+    for p, mst, m, v, p0 in zip(params, masters, ms, vs, initial):
         st = opt.state[p]
         torch.testing.assert_close(mst, p.detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(m, st["exp_avg"], rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(v, st["exp_avg_sq"], rtol=1e-5, atol=1e-9)
-        assert not torch.equal(mst, masters[0] * 0)
+        # the step moved every element (same shapes: a real comparison, not a vacuous one)
+        assert mst.shape == p0.shape and bool((mst != p0).all())
+        # negative control: the comparison above fails when one element is off by 1e-4
+        off = mst.clone()
+        off[len(off) // 2] += 1e-4
+        with pytest.raises(AssertionError):
+            torch.testing.assert_close(off, p.detach(), rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- grad_scale / found_inf
@@ -244,7 +305,7 @@ def test_bitwise_body_vs_tail_misaligned_views(gdt, pdt):
 ISA_SCRIPT = textwrap.dedent("""
     import hashlib, json, sys, torch
     sys.path.insert(0, {tests!r})
-    from test_cpu_kernel import _run_sizes
+    from test_cpu_kernel import _run_sizes, _run_ties
     from zero_kernels import _ext
     out = {{"isa": _ext.cpu_module().cpu_isa()}}
     for name, (g, p, a) in {{"fp32": (torch.float32, None, False),
@@ -256,6 +317,7 @@ ISA_SCRIPT = textwrap.dedent("""
             for t in (lst or []):
                 h.update(t.view(torch.uint8).numpy().tobytes())
         out[name] = h.hexdigest()
+    out["bf16_ties"] = hashlib.sha256(_run_ties()[1].view(torch.uint8).numpy().tobytes()).hexdigest()
     print(json.dumps(out))
 """)
 

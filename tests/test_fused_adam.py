@@ -5,6 +5,7 @@ under test here, not only the reference.
 """
 import copy
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -45,6 +46,124 @@ def set_grads(params_list, step, seed, dtype=None, skip=()):
             grad = grad.to(dtype)
         for p in ps:
             p.grad = None if i in skip else grad.to(p.dtype).clone()
+
+
+# [Note: sensitive cases]
+# Random hyper-parameters with unit gradients leave some terms invisible: eps=1e-8 next to
+# sqrt(v_hat) ~ 1 moves the result by 1e-8 (eps inside or outside the sqrt), Adam is invariant to a
+# gradient scale unless eps or L2 weight decay matters, amsgrad equals plain Adam while v only grows,
+# and a decoupled decay of 1 - 1e-5 applied before or after the update differs by 1e-7. Each case
+# below makes ONE term decisive; its `control` is a change of that term that torch.optim itself must
+# notice under the same tolerance (the proof that the case is sensitive, checked in every run).
+# `mults` scale the gradient of each step; `grad_scale` (a loss scale, a power of two: exact) is
+# passed to step() with the gradients multiplied by it, and `control` may scale torch's gradients
+# ("grad_mult").
+@dataclass(frozen=True)
+class Case:
+    adamw: bool
+    hp: dict
+    control: dict
+    mults: tuple = (1.0,) * 6
+    grad_scale: float | None = None
+
+
+CASES = {
+    "plain_bias_correction_betas": Case(True, dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1),
+                                        dict(betas=(0.95, 0.8))),
+    "eps_small_grads": Case(True, dict(lr=1e-2, eps=1e-6), dict(eps=1e-8), mults=(1e-6,) * 6),
+    "eps_small_grads_amsgrad": Case(False, dict(lr=1e-2, eps=1e-6, amsgrad=True), dict(eps=1e-8),
+                                    mults=(1e-6,) * 6),
+    "maximize_adamw": Case(True, dict(lr=1e-2, weight_decay=0.1, maximize=True), dict(maximize=False)),
+    "maximize_adam_l2": Case(False, dict(lr=1e-2, weight_decay=0.5, maximize=True), dict(maximize=False)),
+    "amsgrad_decreasing": Case(True, dict(lr=1e-2, betas=(0.9, 0.5), amsgrad=True), dict(amsgrad=False),
+                               mults=(10.0, 3.0, 1.0, 0.3, 0.1, 0.03)),
+    "adamw_large_decay": Case(True, dict(lr=5e-2, weight_decay=1.0), dict(weight_decay=0.0)),
+    "adam_l2": Case(False, dict(lr=1e-2, weight_decay=0.5), dict(weight_decay=0.0)),
+    "grad_scale": Case(False, dict(lr=1e-2, eps=1e-3, weight_decay=0.1), dict(grad_mult=1024.0),
+                       mults=(1e-3,) * 6, grad_scale=2.0 ** 10),
+}
+CASE_SHAPES = [(1,), (33,), (1003,), (4099,)]   # scalar tails, one masked block, two Triton chunks
+
+
+def assert_close_rel(a, b, rel=1e-5, what=""):
+    """Within rel of b elementwise, plus rel x max|b| absolute (scale-free: small-gradient states)."""
+    torch.testing.assert_close(a, b, rtol=rel, atol=rel * float(b.abs().max()) + 1e-30,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def run_torch(case, hp, seed, grad_mult=1.0):
+    params = make_params(seed, shapes=CASE_SHAPES)
+    opt = (torch.optim.AdamW if case.adamw else torch.optim.Adam)(params, foreach=False, **hp)
+    for step, mult in enumerate(case.mults):
+        set_grads([params], step, seed)
+        for p in params:
+            p.grad.mul_(mult * grad_mult)
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_hyperparameter_matters(backend, name):
+    """See [Note: sensitive cases]: params and every state equal torch.optim's at rel 1e-5."""
+    case, seed = CASES[name], 31
+    ours = make_params(seed, shapes=CASE_SHAPES)
+    oz = (zk.FusedAdamW if case.adamw else zk.FusedAdam)(ours, backend=backend, **case.hp)
+    for step, mult in enumerate(case.mults):
+        set_grads([ours], step, seed)
+        for p in ours:
+            p.grad.mul_(mult * (case.grad_scale or 1.0))
+        oz.step(**({} if case.grad_scale is None else dict(grad_scale=torch.tensor(case.grad_scale))))
+    ref, ot = run_torch(case, case.hp, seed)
+    for i, (p, q) in enumerate(zip(ours, ref)):
+        assert_close_rel(p.detach(), q.detach(), what=f"param {i}")
+        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            assert (k in oz.state[p]) == (k in ot.state[q]), k
+            if k in ot.state[q]:
+                assert_close_rel(oz.state[p][k], ot.state[q][k], what=f"{k} {i}")
+    # negative control: the case's term changes torch's own result beyond the tolerance
+    ctl = {k: v for k, v in case.control.items() if k != "grad_mult"}
+    other, _ = run_torch(case, {**case.hp, **ctl}, seed, case.control.get("grad_mult", 1.0))
+    q, o = torch.cat([x.detach().reshape(-1) for x in ref]), torch.cat([x.detach().reshape(-1) for x in other])
+    with pytest.raises(AssertionError):
+        assert_close_rel(o, q)
+
+
+def bf16_tie_masters(n, seed):
+    """fp32 values whose low 16 bits are mostly exact bf16 ties (0x8000), both bf16 parities and
+    signs, plus the neighbours of a tie (0x7FFF, 0x8001) and exact / maximal low halves."""
+    gen = torch.Generator().manual_seed(seed)
+    hi = torch.randint(0x3E00, 0x4200, (n,), generator=gen, dtype=torch.int32)
+    hi = torch.where(torch.rand(n, generator=gen) < 0.5, hi, hi | 0x8000)   # negative half
+    lows = torch.tensor([0x8000, 0x8000, 0x8000, 0x7FFF, 0x8001, 0x0000, 0xFFFF], dtype=torch.int32)
+    lo = lows[torch.arange(n) % len(lows)]
+    return ((hi << 16) | lo).view(torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_ties_round_to_nearest_even(backend):
+    """The contract's p16 = round_to_nearest_even(master), bitwise, on ties (lr = 0 keeps the
+    master as constructed): equal to torch's .bfloat16() and to the reference's output."""
+    n = 1003
+    outs = {}
+    for name in ("reference", backend):
+        master = bf16_tie_masters(n, seed=6)
+        start = master.clone()
+        p16 = torch.zeros(n, dtype=torch.bfloat16)
+        g, m, v = torch.randn(n, generator=torch.Generator().manual_seed(7)), torch.zeros(n), torch.zeros(n)
+        coeffs = torch.tensor([[0.0, 1.0, 1.0]])    # step_size 0, bc2_sqrt 1, decay 1
+        backends.get(name)([master], [g], [m], [v], None, [p16], coeffs, beta1=0.9, beta2=0.999, eps=1e-8,
+                           weight_decay=0.0, adamw=True, maximize=False)
+        assert torch.equal(master.view(torch.int32), start.view(torch.int32)), "lr = 0 must keep the master"
+        outs[name] = p16.view(torch.int16)
+    want = start.bfloat16().view(torch.int16)
+    assert torch.equal(outs[backend], want), f"{int((outs[backend] != want).sum())} of {n} differ"
+    assert torch.equal(outs[backend], outs["reference"])
+    # negative controls: truncation and round-half-away differ from RNE on these inputs
+    bits = start.view(torch.int32)
+    trunc = (bits >> 16).to(torch.int16)
+    half_up = ((bits + 0x8000) >> 16).to(torch.int16)
+    assert not torch.equal(want, trunc) and not torch.equal(want, half_up)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -168,14 +287,20 @@ def test_grad_scaler_round_trip_with_injected_inf(backend, dtype):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grad_scale_and_found_inf_kwargs(backend):
-    p, q = make_params(8, shapes=[(100,)]), make_params(8, shapes=[(100,)])
-    oz = zk.FusedAdamW(p, lr=1e-2, backend=backend)
-    ot = torch.optim.AdamW(q, lr=1e-2)
-    set_grads([p, q], 0, 8)
+    # Adam with L2 decay and a large eps: the step depends on the gradient's scale (plain Adam is
+    # scale-invariant up to eps, so a dropped or inverted grad_scale would pass unnoticed)
+    hp = dict(lr=1e-2, weight_decay=0.1, eps=1e-3)
+    p, q, c = (make_params(8, shapes=[(100,)]) for _ in range(3))
+    oz = zk.FusedAdam(p, backend=backend, **hp)
+    ot, oc = torch.optim.Adam(q, **hp), torch.optim.Adam(c, **hp)
+    set_grads([p, q, c], 0, 8)
     p[0].grad.mul_(64.0)
+    c[0].grad.mul_(64.0)
     oz.step(grad_scale=torch.tensor(64.0), found_inf=torch.tensor(0.0))
     ot.step()
+    oc.step()
     torch.testing.assert_close(p[0], q[0], rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(c[0], q[0], rtol=1e-6, atol=1e-7), "negative control: the scale must matter"
     before = p[0].detach().clone()
     oz.step(grad_scale=torch.tensor(64.0), found_inf=torch.tensor(1.0))
     assert torch.equal(before, p[0].detach()) and float(oz.state[p[0]]["step"]) == 1

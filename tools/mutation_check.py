@@ -1,0 +1,440 @@
+#!/usr/bin/env python3
+"""Mutation check: does the test suite catch single-line faults in the Adam kernels and the reference?
+
+Not part of CI and not collected by pytest (it lives in tools/, and runs pytest in subprocesses).
+
+    python tools/mutation_check.py                 # every fault (~20-30 min on 2 cores)
+    python tools/mutation_check.py -k eps -k bf16  # faults whose id contains any of these words
+    python tools/mutation_check.py --list          # the fault table, with the occurrence check
+    python tools/mutation_check.py --jobs 2        # two mutants at a time (one tree copy each)
+
+What it does:
+1. Copies the worktree (kernels/, csrc/, zero_kernels/, tests/, setup.py; never .git) into
+   ``<workdir>/tree<k>`` and runs every suite below on the unmutated copy (the baseline). A failing
+   baseline stops the script: a mutant "caught" by an already-red suite proves nothing.
+2. For each fault of FAULTS: the original substring must occur EXACTLY ONCE in the pristine file,
+   otherwise the fault is reported as ERROR (never skipped: the kernels are edited concurrently and
+   the table is re-pointed after merges). The copy's file is rewritten with the replacement, the
+   suite of the fault runs (``pytest -x``, a timeout per mutant), and the file is restored.
+   A C++ mutant is first JIT-built on its own (TORCH_EXTENSIONS_DIR keyed by a hash of csrc/, so
+   reruns reuse the builds); a mutant that does not build is an ERROR, not a catch. A Python mutant
+   that does not compile is an ERROR as well.
+3. Prints a table: fault, file, CAUGHT (the first failing test) / MISSED / ERROR, seconds.
+   The exit status is 0 only when every fault is caught.
+
+The tree is never mutated in place; PYTHONPATH points at the copy, ZERO_KERNELS_FORCE_JIT=1 makes
+the copy's csrc/ the C++ code under test.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import hashlib
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# ----------------------------------------------------------------------------------------- suites
+# Test subsets per implementation (pytest arguments, relative to the tree root). Each is the fast
+# part of the suite that exercises that implementation against torch.optim / the reference.
+SUITES = {
+    # the Triton Adam kernel (interpreted): every triton-parametrised test of test_fused_adam.py
+    "triton": ["tests/test_fused_adam.py", "-k", "triton"],
+    # the reference (and compute_coeffs, used by every backend) against torch.optim
+    "reference": ["tests/test_fused_adam.py", "-k", "reference"],
+    # the C++ CPU kernel: its own tests (bitwise SIMD paths, reference, torch.optim) + the optimizer
+    # (-k matches the module name too: all of test_cpu_kernel.py, the [cpu] cases of test_fused_adam)
+    "cpu": ["tests/test_cpu_kernel.py", "tests/test_fused_adam.py", "-k", "cpu and not slow and not flatten"],
+    # bucket flatten kernels
+    "flatten_triton": ["tests/test_zero.py::test_flatten_kernels_interpreter_bitwise"],
+    "flatten_cpu": ["tests/test_cpu_kernel.py", "-k", "flatten"],
+}
+
+# ----------------------------------------------------------------------------------------- faults
+# (id, file, original substring (must occur exactly once), replacement, suite, property broken).
+# Keep the substrings short and specific: when a kernel line changes, re-point the entry here.
+K, MT, REF = "kernels/adam.py", "kernels/_multi_tensor.py", "zero_kernels/reference.py"
+FL, SIMD, CPP = "kernels/flatten.py", "csrc/cpu_adam_simd.h", "csrc/cpu_adam.cpp"
+VEC, CFL = "csrc/cpu_vec.h", "csrc/cpu_flatten.cpp"
+FAULTS = [
+    # --- eps placement: torch adds eps AFTER the bias-corrected sqrt: sqrt(v)/bc2_sqrt + eps
+    ("tri.eps_in_sqrt", K, "denom = tl.sqrt(v) / bc2_sqrt + eps",
+     "denom = tl.sqrt(v / (bc2_sqrt * bc2_sqrt) + eps)", "triton", "eps inside the square root"),
+    ("tri.eps_in_sqrt.ams", K, "denom = tl.sqrt(vmax) / bc2_sqrt + eps",
+     "denom = tl.sqrt(vmax / (bc2_sqrt * bc2_sqrt) + eps)", "triton", "eps inside the sqrt (amsgrad)"),
+    ("tri.eps_before_bc2", K, "denom = tl.sqrt(v) / bc2_sqrt + eps",
+     "denom = (tl.sqrt(v) + eps) / bc2_sqrt", "triton", "eps added before the bias correction"),
+    ("ref.eps_in_sqrt", REF, "(denom_v.sqrt() / bc2_sqrt + eps)",
+     "(denom_v / (bc2_sqrt * bc2_sqrt) + eps).sqrt()", "reference", "eps inside the square root"),
+    ("cpp.eps_in_sqrt.scalar", SIMD, "std::sqrt(vd) / j.bc2 + h.eps",
+     "std::sqrt(vd / (j.bc2 * j.bc2) + h.eps)", "cpu", "eps inside the sqrt (scalar tail)"),
+    ("cpp.eps_in_sqrt.vector", SIMD, "V::add(V::div(V::sqrt(vd), bc2), eps)",
+     "V::sqrt(V::add(V::div(vd, V::mul(bc2, bc2)), eps))", "cpu", "eps inside the sqrt (SIMD body)"),
+    # --- maximize: the gradient is negated (after the unscale, before weight decay)
+    ("tri.maximize_dropped", K, "g = -g", "g = g", "triton", "maximize negation deleted"),
+    ("ref.maximize_dropped", REF, "gf = -gf", "gf = gf", "reference", "maximize negation deleted"),
+    ("cpp.maximize_dropped", CPP, "c.h.gscale = maximize ? -gs : gs;", "c.h.gscale = gs;", "cpu",
+     "maximize negation deleted"),
+    # --- bias corrections: step_size = lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t)
+    ("coeffs.no_bc1", REF, "step_size = lr_t / bc1", "step_size = lr_t", "reference",
+     "step_size without /bc1 (all backends)"),
+    ("coeffs.bc1_step_off_by_one", REF, "bc1 = 1 - torch.pow(torch.tensor(beta1, dtype=s.dtype, device=s.device), s)",
+     "bc1 = 1 - torch.pow(torch.tensor(beta1, dtype=s.dtype, device=s.device), s + 1)", "reference",
+     "bc1 uses beta1^(t+1)"),
+    ("coeffs.bc2_not_sqrt", REF, "bc2.sqrt()", "bc2", "reference", "bc2_sqrt = 1 - beta2^t (no sqrt)"),
+    ("tri.no_bc2", K, "denom = tl.sqrt(v) / bc2_sqrt + eps", "denom = tl.sqrt(v) + eps", "triton",
+     "missing /bc2_sqrt"),
+    ("tri.no_bc2.ams", K, "denom = tl.sqrt(vmax) / bc2_sqrt + eps", "denom = tl.sqrt(vmax) + eps",
+     "triton", "missing /bc2_sqrt (amsgrad)"),
+    ("ref.no_bc2", REF, "denom_v.sqrt() / bc2_sqrt + eps", "denom_v.sqrt() + eps", "reference",
+     "missing /bc2_sqrt"),
+    ("cpp.no_bc2.scalar", SIMD, "std::sqrt(vd) / j.bc2 + h.eps", "std::sqrt(vd) + h.eps", "cpu",
+     "missing /bc2_sqrt (scalar tail)"),
+    ("cpp.no_bc2.vector", SIMD, "V::add(V::div(V::sqrt(vd), bc2), eps)", "V::add(V::sqrt(vd), eps)",
+     "cpu", "missing /bc2_sqrt (SIMD body)"),
+    # --- weight decay: AdamW p *= 1 - lr*wd BEFORE the update; Adam g += wd*p (L2)
+    ("tri.adamw_decay_after", K, "p = p - step_size * m / denom", "p = p - decay * step_size * m / denom",
+     "triton", "AdamW decay applied after the update"),
+    ("tri.adamw_decay_dropped", K, "p = p * decay", "p = p", "triton", "AdamW decay dropped"),
+    ("tri.adam_l2_dropped", K, "g = g + weight_decay * p", "g = g", "triton", "Adam L2 term dropped"),
+    ("tri.adam_l2_decoupled", K, "g = g + weight_decay * p", "p = p - step_size * weight_decay * p",
+     "triton", "Adam L2 applied as decoupled decay"),
+    ("ref.adamw_decay_after", REF, "pf = pf - step_size * mf", "pf = pf - decay * step_size * mf",
+     "reference", "AdamW decay applied after the update"),
+    ("ref.adamw_decay_dropped", REF, "pf = pf * decay", "pf = pf", "reference", "AdamW decay dropped"),
+    ("ref.adam_l2_dropped", REF, "gf = gf + weight_decay * pf", "gf = gf", "reference", "Adam L2 term dropped"),
+    ("ref.adam_l2_decoupled", REF, "gf = gf + weight_decay * pf", "pf = pf - step_size * weight_decay * pf",
+     "reference", "Adam L2 applied as decoupled decay"),
+    ("coeffs.decay_without_lr", REF, "(1 - lr_t * weight_decay)", "(1 - weight_decay)", "reference",
+     "AdamW decay = 1 - wd (not scaled by lr)"),
+    ("cpp.adamw_decay_after.scalar", SIMD, "p = p - (j.step_size * m) / denom;",
+     "p = p - j.decay * (j.step_size * m) / denom;", "cpu", "AdamW decay after the update (scalar)"),
+    ("cpp.adamw_decay_after.vector", SIMD, "p = V::sub(p, V::div(V::mul(ss, m), denom));",
+     "p = V::sub(p, V::mul(decay, V::div(V::mul(ss, m), denom)));", "cpu",
+     "AdamW decay after the update (SIMD)"),
+    ("cpp.adamw_decay_dropped.scalar", SIMD, "p = p * j.decay;", "p = p;", "cpu", "AdamW decay dropped (scalar)"),
+    ("cpp.adamw_decay_dropped.vector", SIMD, "p = V::mul(p, decay);", "p = p;", "cpu", "AdamW decay dropped (SIMD)"),
+    ("cpp.adam_l2_dropped.scalar", SIMD, "if (L2) g = std::fma(h.wd, p, g);", "if (L2) g = g;", "cpu",
+     "Adam L2 term dropped (scalar)"),
+    ("cpp.adam_l2_dropped.vector", SIMD, "if (L2) g = V::fmadd(wd, p, g);", "if (L2) g = g;", "cpu",
+     "Adam L2 term dropped (SIMD)"),
+    ("cpp.adam_l2_decoupled.scalar", SIMD, "if (L2) g = std::fma(h.wd, p, g);",
+     "if (L2) p = p - j.step_size * h.wd * p;", "cpu", "Adam L2 as decoupled decay (scalar)"),
+    ("cpp.adam_l2_decoupled.vector", SIMD, "if (L2) g = V::fmadd(wd, p, g);",
+     "if (L2) p = V::sub(p, V::mul(V::mul(ss, wd), p));", "cpu", "Adam L2 as decoupled decay (SIMD)"),
+    # --- amsgrad: vmax = max(vmax, v) and the denominator uses vmax
+    ("tri.ams_max_to_v", K, "vmax = tl.maximum(vmax, v)", "vmax = v", "triton", "amsgrad max replaced by v"),
+    ("tri.ams_max_to_min", K, "vmax = tl.maximum(vmax, v)", "vmax = tl.minimum(vmax, v)", "triton",
+     "amsgrad max replaced by min"),
+    ("tri.ams_denom_uses_v", K, "denom = tl.sqrt(vmax) / bc2_sqrt + eps", "denom = tl.sqrt(v) / bc2_sqrt + eps",
+     "triton", "amsgrad denominator uses v"),
+    ("ref.ams_max_to_v", REF, "vmax = torch.maximum(max_exp_avg_sqs[i].float(), vf)", "vmax = vf",
+     "reference", "amsgrad max replaced by v"),
+    ("ref.ams_max_to_min", REF, "torch.maximum(max_exp_avg_sqs[i].float(), vf)",
+     "torch.minimum(max_exp_avg_sqs[i].float(), vf)", "reference", "amsgrad max replaced by min"),
+    ("cpp.ams_max_to_v.scalar", SIMD, "vm = vm > v ? vm : v;", "vm = v;", "cpu", "amsgrad max -> v (scalar)"),
+    ("cpp.ams_max_to_min.scalar", SIMD, "vm = vm > v ? vm : v;", "vm = vm < v ? vm : v;", "cpu",
+     "amsgrad max -> min (scalar)"),
+    ("cpp.ams_denom_uses_v.scalar", SIMD, "vd = vm;", "vd = v;", "cpu", "amsgrad denominator uses v (scalar)"),
+    ("cpp.ams_max_to_v.vector", SIMD, "vd = V::max(V::load(j.vmax + i), v);", "vd = v;", "cpu",
+     "amsgrad max -> v (SIMD)"),
+    # --- bf16 rounding: round to nearest even on the bits: (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    ("tri.bf16_truncate", MT, "rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16", "rounded = bits >> 16",
+     "triton", "bf16 truncation instead of RNE"),
+    ("tri.bf16_no_tie_bit", MT, "(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16", "(bits + 0x7FFF) >> 16",
+     "triton", "bf16 ties rounded down (tie bit dropped)"),
+    ("tri.bf16_half_up", MT, "(bits + 0x7FFF + ((bits >> 16) & 1)) >> 16", "(bits + 0x8000) >> 16",
+     "triton", "bf16 ties rounded away (+0x8000)"),
+    ("cpp.bf16_truncate.scalar", VEC, "u += 0x7FFFu + ((u >> 16) & 1u);", "u += 0u;", "cpu",
+     "bf16 truncation (scalar tail and scalar path)"),
+    ("cpp.bf16_no_tie_bit.scalar", VEC, "u += 0x7FFFu + ((u >> 16) & 1u);", "u += 0x7FFFu;", "cpu",
+     "bf16 tie bit dropped (scalar)"),
+    ("cpp.bf16_no_tie_bit.avx2", VEC, "_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb)",
+     "_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF))", "cpu", "bf16 tie bit dropped (AVX2)"),
+    ("cpp.bf16_no_tie_bit.avx512", VEC, "_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb)",
+     "_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF))", "cpu", "bf16 tie bit dropped (AVX-512)"),
+    # --- grad scale: g = g * grad_scale first
+    ("tri.grad_scale_dropped", K, "g = g * grad_scale", "g = g", "triton", "grad scale not applied"),
+    ("tri.grad_scale_divides", K, "g = g * grad_scale", "g = g / grad_scale", "triton",
+     "grad scale applied as division"),
+    ("ref.grad_scale_dropped", REF, "gf = gf * grad_scale.reshape(())", "gf = gf + 0 * grad_scale.reshape(())",
+     "reference", "grad scale not applied"),
+    ("ref.grad_scale_divides", REF, "gf = gf * grad_scale.reshape(())", "gf = gf / grad_scale.reshape(())",
+     "reference", "grad scale applied as division"),
+    ("cpp.grad_scale_dropped", CPP, "float gs = grad_scale.has_value() ? grad_scale->data_ptr<float>()[0] : 1.0f;",
+     "float gs = 1.0f;", "cpu", "grad scale not applied"),
+    ("cpp.grad_scale_divides", CPP, "? grad_scale->data_ptr<float>()[0] : 1.0f;",
+     "? 1.0f / grad_scale->data_ptr<float>()[0] : 1.0f;", "cpu", "grad scale applied as division"),
+    # --- 1 - beta1 / 1 - beta2 swapped (each moment separately)
+    ("tri.m_uses_beta2", K, "m = m + (1.0 - beta1) * (g - m)", "m = m + (1.0 - beta2) * (g - m)", "triton",
+     "first moment with 1-beta2"),
+    ("tri.v_uses_beta1", K, "(1.0 - beta2) * g * g", "(1.0 - beta1) * g * g", "triton",
+     "second moment with 1-beta1"),
+    ("ref.m_uses_beta2", REF, "mf = mf + (1 - beta1)", "mf = mf + (1 - beta2)", "reference",
+     "first moment with 1-beta2"),
+    ("ref.v_uses_beta1", REF, "(1 - beta2) * gf * gf", "(1 - beta1) * gf * gf", "reference",
+     "second moment with 1-beta1"),
+    ("cpp.m_uses_beta2", CPP, "c.h.omb1 = static_cast<float>(1.0 - beta1);",
+     "c.h.omb1 = static_cast<float>(1.0 - beta2);", "cpu", "first moment with 1-beta2"),
+    ("cpp.v_uses_beta1", CPP, "c.h.omb2 = static_cast<float>(1.0 - beta2);",
+     "c.h.omb2 = static_cast<float>(1.0 - beta1);", "cpu", "second moment with 1-beta1"),
+    # --- found_inf: a nonzero found_inf skips the whole step
+    ("tri.found_inf_ignored", K, "if tl.load(found_inf_ptr) != 0:", "if tl.load(found_inf_ptr) < 0:",
+     "triton", "found_inf ignored"),
+    ("cpp.found_inf_ignored", CPP, "found_inf->data_ptr<float>()[0] != 0.0f", "found_inf->data_ptr<float>()[0] < 0.0f",
+     "cpu", "found_inf ignored"),
+    # --- bucket flatten: dst = (src * scale) [+ dst]
+    ("flat.scale_dropped.full", FL, "x = tl.load(src + offs).to(tl.float32) * scale",
+     "x = tl.load(src + offs).to(tl.float32)", "flatten_triton", "scale dropped (full blocks)"),
+    ("flat.scale_dropped.masked", FL, "x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32) * scale",
+     "x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)", "flatten_triton", "scale dropped (tail)"),
+    ("flat.accumulate_overwrites.full", FL, "x = x + tl.load(d + offs).to(tl.float32)", "x = x",
+     "flatten_triton", "accumulate replaced by overwrite (full blocks)"),
+    ("flat.accumulate_overwrites.masked", FL, "x = x + tl.load(d + offs, mask=mask, other=0.0).to(tl.float32)",
+     "x = x", "flatten_triton", "accumulate replaced by overwrite (tail)"),
+    ("cflat.scale_dropped.scalar", CFL, "if (SCALE) x = x * scale;", "if (SCALE) x = x;        ", "flatten_cpu",
+     "C++ flatten scale dropped (scalar)"),
+    ("cflat.scale_dropped.vector", CFL, "if (SCALE) x = V::mul(x, s);", "if (SCALE) x = x;           ",
+     "flatten_cpu", "C++ flatten scale dropped (SIMD)"),
+]
+
+
+@dataclass
+class Fault:
+    id: str
+    file: str
+    old: str
+    new: str
+    suite: str
+    what: str
+
+
+@dataclass
+class Result:
+    fault: Fault
+    status: str       # CAUGHT / MISSED / ERROR
+    detail: str
+    seconds: float
+
+
+# ----------------------------------------------------------------------------------------- tree
+COPY = ["kernels", "csrc", "zero_kernels", "tests", "setup.py", "README.md"]
+
+
+def make_tree(dst: str) -> None:
+    """A fresh copy of the worktree at a fixed path (fixed paths + preserved mtimes let the C++
+    build cache of a previous run be reused)."""
+    if os.path.exists(dst):
+        shutil.rmtree(dst)
+    os.makedirs(dst)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "build", "*.egg-info")
+    for name in COPY:
+        src = os.path.join(ROOT, name)
+        if os.path.isdir(src):
+            shutil.copytree(src, os.path.join(dst, name), symlinks=True, ignore=ignore)
+        elif os.path.exists(src):
+            shutil.copy2(src, os.path.join(dst, name))
+
+
+def csrc_hash(tree: str) -> str:
+    h = hashlib.sha256()
+    for dirpath, _, files in sorted(os.walk(os.path.join(tree, "csrc"))):
+        for f in sorted(files):
+            if f.endswith((".cpp", ".h", ".cu", ".cuh")):
+                h.update(f.encode())
+                with open(os.path.join(dirpath, f), "rb") as fh:
+                    h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
+def ext_dir(tree: str, ext_root: str) -> str:
+    """TORCH_EXTENSIONS_DIR of a tree copy with its current csrc/ (one build per content)."""
+    return os.path.join(ext_root, f"{os.path.basename(tree)}-{csrc_hash(tree)}")
+
+
+def mutant_mtime(baseline_dir: str) -> float:
+    """The mtime to give a mutated C++ file whose build starts from the baseline's objects (see
+    copy_build): newer than every baseline object (ninja rebuilds its dependents) and
+    stable across runs (a cached mutant build stays up to date)."""
+    newest = max(os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(baseline_dir) for f in fs)
+    return newest + 1.0
+
+
+def copy_build(baseline_dir: str, dst: str) -> None:
+    """Start a mutant's build directory from the baseline's objects, so that ninja (header deps
+    included) recompiles only the translation units the mutation touches."""
+    if not os.path.exists(dst):
+        shutil.copytree(baseline_dir, dst, symlinks=True,
+                        ignore=shutil.ignore_patterns("lock", "*.so"))
+
+
+def env_for(tree: str, ext_root: str) -> dict:
+    env = dict(os.environ)
+    env.update(PYTHONPATH=tree, TRITON_INTERPRET="1", ZK_REQUIRE_CPU="1", ZERO_KERNELS_FORCE_JIT="1",
+               TORCH_EXTENSIONS_DIR=ext_dir(tree, ext_root), PYTHONDONTWRITEBYTECODE="1")
+    env.pop("ZERO_KERNELS_NO_JIT", None)
+    return env
+
+
+JIT_NAME = "zero_kernels_C_jit"   # zero_kernels._build.JIT_NAME: the build directory's name
+BUILD = ("from zero_kernels import _ext; import sys; m = _ext.cpu_module(); "
+         "sys.exit(0 if m is not None else 'build failed: ' + _ext.load_error())")
+
+
+def build_ext(tree: str, ext_root: str, timeout: float) -> str | None:
+    """JIT-build (or reuse) the copy's C++ extension. None on success, else the reason."""
+    try:
+        r = subprocess.run([sys.executable, "-c", BUILD], cwd=tree, env=env_for(tree, ext_root),
+                           capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"build timed out after {timeout:.0f}s"
+    return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1][:200]
+
+
+FAILED_RE = re.compile(r"^(FAILED|ERROR) (\S+)", re.M)
+
+
+def run_suite(tree: str, ext_root: str, suite: str, timeout: float) -> tuple[str, str]:
+    """('pass'|'fail'|'timeout'|'error', first failing test or a reason)."""
+    args = [sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "-p", "no:cacheprovider", "--no-header",
+            "-W", "ignore::pytest.PytestUnraisableExceptionWarning"] + SUITES[suite]
+    try:
+        r = subprocess.run(args, cwd=tree, env=env_for(tree, ext_root), capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", f"suite timed out after {timeout:.0f}s"
+    out = r.stdout + r.stderr
+    if r.returncode == 0:
+        return "pass", ""
+    m = FAILED_RE.search(out)
+    if r.returncode == 1 and m:
+        return "fail", m.group(2).split("/")[-1]
+    tail = " | ".join(out.strip().splitlines()[-3:])
+    return "error", f"pytest exit {r.returncode}: {tail[:300]}"
+
+
+# ----------------------------------------------------------------------------------------- mutate
+def occurrences(f: Fault) -> int:
+    with open(os.path.join(ROOT, f.file)) as fh:
+        return fh.read().count(f.old)
+
+
+def check_mutant(f: Fault, tree: str, ext_root: str, timeout: float) -> Result:
+    t0 = time.time()
+    n = occurrences(f)
+    if n != 1:
+        return Result(f, "ERROR", f"original substring found {n} times in {f.file} (must be exactly 1)", 0.0)
+    path = os.path.join(tree, f.file)
+    with open(path) as fh:
+        original = fh.read()
+    st = os.stat(path)
+    mutated = original.replace(f.old, f.new, 1)
+    is_cpp = f.file.startswith("csrc/")
+    try:
+        if f.file.endswith(".py"):
+            try:
+                compile(mutated, path, "exec")
+            except SyntaxError as e:
+                return Result(f, "ERROR", f"mutant does not compile: {e}", time.time() - t0)
+        base_dir = ext_dir(tree, ext_root) if is_cpp else None
+        with open(path, "w") as fh:
+            fh.write(mutated)
+        if is_cpp:
+            mtime = mutant_mtime(os.path.join(base_dir, JIT_NAME))
+            os.utime(path, (mtime, mtime))
+            copy_build(base_dir, ext_dir(tree, ext_root))
+            why = build_ext(tree, ext_root, timeout)
+            if why is not None:
+                return Result(f, "ERROR", f"mutant does not build: {why}", time.time() - t0)
+        status, detail = run_suite(tree, ext_root, f.suite, timeout)
+    finally:
+        with open(path, "w") as fh:
+            fh.write(original)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    kind = {"fail": "CAUGHT", "pass": "MISSED"}.get(status, "ERROR")
+    return Result(f, kind, detail, time.time() - t0)
+
+
+def print_table(results: list[Result]) -> None:
+    w_id = max(len(r.fault.id) for r in results)
+    w_file = max(len(r.fault.file) for r in results)
+    print(f"\n{'fault':<{w_id}}  {'file':<{w_file}}  {'result':<6}  {'s':>5}  caught by / detail  [property]")
+    for r in results:
+        print(f"{r.fault.id:<{w_id}}  {r.fault.file:<{w_file}}  {r.status:<6}  {r.seconds:5.0f}  "
+              f"{r.detail}  [{r.fault.what}]")
+    counts = {s: sum(r.status == s for r in results) for s in ("CAUGHT", "MISSED", "ERROR")}
+    print(f"\n{len(results)} faults: {counts['CAUGHT']} caught, {counts['MISSED']} missed, "
+          f"{counts['ERROR']} errors")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-k", action="append", default=[], help="only faults whose id contains this (repeatable)")
+    ap.add_argument("--list", action="store_true", help="print the fault table and occurrence counts")
+    ap.add_argument("--jobs", type=int, default=2, help="mutants run at once (one tree copy each)")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per mutant (build and suite each)")
+    ap.add_argument("--workdir", default=os.path.join("/tmp", f"zk_mutation_{os.getuid()}"),
+                    help="tree copies and the C++ build cache (kept between runs)")
+    args = ap.parse_args()
+
+    faults = [Fault(*row) for row in FAULTS]
+    bad_suite = [f.id for f in faults if f.suite not in SUITES]
+    if bad_suite or len({f.id for f in faults}) != len(faults):
+        sys.exit(f"fault table: unknown suite in {bad_suite} or duplicate ids")
+    if args.k:
+        faults = [f for f in faults if any(k in f.id for k in args.k)]
+    if args.list:
+        for f in faults:
+            print(f"{f.id:<34} {f.file:<26} {f.suite:<14} occurs {occurrences(f)}x  [{f.what}]")
+        return 0
+    if not faults:
+        sys.exit("no fault matches -k")
+
+    ext_root = os.path.join(args.workdir, "ext")
+    trees = [os.path.join(args.workdir, f"tree{k}") for k in range(max(1, args.jobs))]
+    for t in trees:
+        make_tree(t)
+    # Baseline: every suite the selected faults use must pass on the unmutated copy.
+    t0 = time.time()
+    # Every suite needs the extension (conftest requires the cpu backend: ZK_REQUIRE_CPU=1).
+    for t in trees:
+        why = build_ext(t, ext_root, args.timeout)
+        if why is not None:
+            sys.exit(f"baseline: the unmutated C++ extension does not build: {why}")
+    for suite in sorted({f.suite for f in faults}):
+        ts = time.time()
+        status, detail = run_suite(trees[0], ext_root, suite, args.timeout)
+        print(f"baseline {suite:<15} {status:<7} {time.time() - ts:5.0f}s {detail}", flush=True)
+        if status != "pass":
+            sys.exit(f"baseline suite {suite!r} does not pass on the unmutated tree: stopping")
+    print(f"baseline ok in {time.time() - t0:.0f}s; {len(faults)} faults, {len(trees)} job(s)", flush=True)
+
+    free: queue.Queue[str] = queue.Queue()
+    for t in trees:
+        free.put(t)
+
+    def work(f: Fault) -> Result:
+        tree = free.get()
+        try:
+            r = check_mutant(f, tree, ext_root, args.timeout)
+        finally:
+            free.put(tree)
+        print(f"  {r.status:<6} {r.seconds:5.0f}s {f.id}: {r.detail}", flush=True)
+        return r
+
+    with cf.ThreadPoolExecutor(max_workers=len(trees)) as ex:
+        results = list(ex.map(work, faults))
+    print_table(results)
+    print(f"total {time.time() - t0:.0f}s")
+    return 0 if all(r.status == "CAUGHT" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
