@@ -42,7 +42,13 @@ def test_subpackage_scan_sees_zero_layer():
 def test_public_names_and_version():
     for name in ("FusedAdam", "FusedAdamW", "ZeroAdam", "ZeroAdamW", "fused_adam_ref", "compute_coeffs"):
         assert getattr(zero_kernels, name) is not None
-    assert zero_kernels.__version__ == importlib.metadata.version("zero_kernels")
+    try:
+        installed = importlib.metadata.version("zero_kernels")
+    except importlib.metadata.PackageNotFoundError:
+        if os.environ.get("ZK_REQUIRE_INSTALLED") == "1":
+            raise
+        pytest.skip("zero_kernels is not installed here (source tree on PYTHONPATH): no metadata to compare")
+    assert zero_kernels.__version__ == installed
 
 
 def test_csrc_ships_for_the_jit_fallback():
