@@ -230,7 +230,7 @@ COPY = ["kernels", "csrc", "zero_kernels", "tests", "setup.py", "README.md"]
 
 def make_tree(dst: str) -> None:
     """A fresh copy of the worktree at a fixed path (fixed paths + preserved mtimes let the C++
-    build cache of a previous run be reused)."""
+    build cache of a previous run be reused). One run at a time per --workdir."""
     if os.path.exists(dst):
         shutil.rmtree(dst)
     os.makedirs(dst)
@@ -289,13 +289,21 @@ BUILD = ("from zero_kernels import _ext; import sys; m = _ext.cpu_module(); "
 
 
 def build_ext(tree: str, ext_root: str, timeout: float) -> str | None:
-    """JIT-build (or reuse) the copy's C++ extension. None on success, else the reason."""
+    """JIT-build (or reuse) the copy's C++ extension. None on success, else the reason; a failed
+    build's directory is removed so that it cannot poison a later run's cache."""
+    build_dir = os.path.join(ext_dir(tree, ext_root), JIT_NAME)
+    stale = os.path.join(build_dir, "lock")   # torch's build baton, left behind by a killed run
+    if os.path.exists(stale):
+        os.remove(stale)
     try:
         r = subprocess.run([sys.executable, "-c", BUILD], cwd=tree, env=env_for(tree, ext_root),
                            capture_output=True, text=True, timeout=timeout)
+        why = None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1][:200]
     except subprocess.TimeoutExpired:
-        return f"build timed out after {timeout:.0f}s"
-    return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1][:200]
+        why = f"build timed out after {timeout:.0f}s"
+    if why is not None:
+        shutil.rmtree(os.path.dirname(build_dir), ignore_errors=True)
+    return why
 
 
 FAILED_RE = re.compile(r"^(FAILED|ERROR) (\S+)", re.M)
