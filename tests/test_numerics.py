@@ -42,6 +42,7 @@ class Fp32Scalars:
 
     def __init__(self, kernel):
         self.kernel = kernel
+        self.launch_options = []   # the keyword arguments of every launch (constexprs and options)
 
     def __getitem__(self, grid):
         import triton.language as tl
@@ -51,16 +52,21 @@ class Fp32Scalars:
             return tl.tensor(TensorHandle(np.array([x], dtype=np.float32), tl.float32), tl.float32)
 
         def launch(*args, **kwargs):
+            self.launch_options.append(kwargs)
             return self.kernel[grid](*[fp32(a) if type(a) is float else a for a in args], **kwargs)
         return launch
 
 
 @pytest.fixture
 def gpu_scalars(monkeypatch):
-    """Every Triton launch of this test sees fp32 scalar arguments (see Fp32Scalars)."""
+    """Every Triton launch of this test sees fp32 scalar arguments (see Fp32Scalars); returns the
+    wrapped kernels by name."""
     from zero_kernels.kernels import adam, flatten
-    monkeypatch.setattr(adam, "fused_adam_kernel", Fp32Scalars(adam.fused_adam_kernel))
-    monkeypatch.setattr(flatten, "flatten_kernel", Fp32Scalars(flatten.flatten_kernel))
+    wrapped = {}
+    for mod, name in ((adam, "fused_adam_kernel"), (flatten, "flatten_kernel"), (flatten, "unflatten_kernel")):
+        wrapped[name] = Fp32Scalars(getattr(mod, name))
+        monkeypatch.setattr(mod, name, wrapped[name])
+    return wrapped
 
 
 def test_betas_are_discriminating():
@@ -159,6 +165,28 @@ def _coeffs(n, adamw, lr=1e-3, wd=0.1):
 
 def _hp(adamw, eps=1e-8, wd=0.1, maximize=False):
     return dict(beta1=BETA1, beta2=BETA2, eps=eps, weight_decay=wd, adamw=adamw, maximize=maximize)
+
+
+@needs_interpreter
+def test_every_triton_launch_disables_fp_fusion(gpu_scalars):
+    """The interpreter ignores enable_fp_fusion, so check the launches themselves: every one passes
+    False (Triton 3.9 defaults to fusing a*b+c into one fma) and the options CODEGEN_CASES compile."""
+    from zero_kernels.kernels import adam, flatten
+    st = make_state((1031,), torch.bfloat16, torch.bfloat16, amsgrad=False)
+    backends.get("triton")(*[st[k] for k in _ORDER], _coeffs(1, True), **_hp(True))
+    out = torch.zeros(1031 + 7)
+    flatten.flatten_triton([st["grads"][0], torch.ones(7)], out, [0, 1031], scale=0.5, accumulate=True)
+    flatten.unflatten_triton(out, [torch.empty(1031), torch.empty(7)], [0, 1031])
+    for name, want in (("fused_adam_kernel", adam.LAUNCH_OPTIONS), ("flatten_kernel", flatten.FLATTEN_LAUNCH),
+                       ("unflatten_kernel", flatten.UNFLATTEN_LAUNCH)):
+        launches = gpu_scalars[name].launch_options
+        assert launches, f"{name} was not launched"
+        for kw in launches:
+            assert kw.get("enable_fp_fusion") is False, f"{name} launched without enable_fp_fusion=False: {kw}"
+            assert {k: kw.get(k) for k in want} == want
+    for mod in (adam, flatten):   # ... and the compiled cases are compiled that way too
+        for case in mod.CODEGEN_CASES:
+            assert case[4].get("enable_fp_fusion") is False, f"{mod.__name__}: {case[3]}"
 
 
 # ----------------------------------------------------------------------------- Triton == reference
