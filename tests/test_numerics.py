@@ -9,8 +9,13 @@ show by itself:
   receives it as fp32 and computes ``1.0 - beta`` in fp32 (1.7e-4 relative off at beta2 = 0.9999).
   ``Fp32Scalars`` launches a kernel with every float argument as an fp32 interpreter scalar, as the
   GPU sees it, so in-kernel coefficient arithmetic changes the bits and fails these tests;
+* launch options. The interpreter ignores ``enable_fp_fusion``; the same harness records every
+  launch's keyword arguments, and a test requires ``enable_fp_fusion=False`` on each;
 * contraction, approximate division / square root, NaN-dropping max in the compiled code: checked on
   the PTX by tests/test_codegen.py (the interpreter is exact, so these tests pin the exact result).
+
+The NaN of the amsgrad max is compared by position, not payload (torch's CPU and CUDA maxima return
+different NaN bits).
 """
 from __future__ import annotations
 
