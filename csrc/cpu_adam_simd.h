@@ -8,14 +8,15 @@
 //     F load(const float*); void store(float*, F);                    // unaligned
 //     F load_bf16(const uint16_t*); F load_fp16(const uint16_t*);
 //     void store_bf16(uint16_t*, F, bool nt); void store_fp16(uint16_t*, F, bool nt);
-//     F set1(float); F add/sub/mul/div(F, F); F fmadd(a, b, c) = a*b+c (one rounding);
-//     F sqrt(F); F max(a, b) = a > b ? a : b; void sfence();
+//     F set1(float); F add/sub/mul/div(F, F);
+//     F sqrt(F); F max(a, b) = NaN if either is NaN, else a > b ? a : b; void sfence();
 //     float s_fp16_to_f32(uint16_t); uint16_t s_f32_to_fp16(float);   // scalar, same rounding
 //   };
 //
-// Bitwise rule: the vector body and the scalar tail perform the same IEEE operations in the same
-// order (fmadd <-> std::fma, div <-> /, sqrt <-> std::sqrt, max <-> a > b ? a : b), so every element
-// is computed identically whatever the thread count, chunking or tensor size.
+// Bitwise rule: the vector body and the scalar tail perform the operations of
+// reference.fused_adam_ref, in its order, each an IEEE fp32 operation rounded once (no FMA: torch
+// rounds every op), and the same NaN-propagating max, so every element is computed identically
+// whatever the thread count, chunking or tensor size, and equal to the reference bit for bit.
 
 #ifndef ZK_TGT
 #error "define ZK_TGT before including cpu_adam_simd.h"
@@ -36,14 +37,13 @@ ZK_TGT static inline void zk_adam_scalar(const ZkJob& j, const ZkHyper& h, int64
   float p = j.p[i];
   float m = j.m[i];
   float v = j.v[i];
-  if (L2) g = std::fma(h.wd, p, g);
+  if (L2) g = g + h.wd * p;
   p = p * j.decay;
-  m = std::fma(h.omb1, g - m, m);
-  v = std::fma(h.omb2 * g, g, h.b2 * v);
+  m = m + h.omb1 * (g - m);
+  v = h.b2 * v + h.omb2 * g * g;
   float vd = v;
   if (AMS) {
-    float vm = j.vmax[i];
-    vm = vm > v ? vm : v;
+    const float vm = zk_max_nan(j.vmax[i], v);
     j.vmax[i] = vm;
     vd = vm;
   }
@@ -87,10 +87,10 @@ ZK_TGT static void zk_adam_range(const ZkJob& j, const ZkHyper& h, int64_t lo, i
       V::F p = V::load(j.p + i);
       V::F m = V::load(j.m + i);
       V::F v = V::load(j.v + i);
-      if (L2) g = V::fmadd(wd, p, g);
+      if (L2) g = V::add(g, V::mul(wd, p));
       p = V::mul(p, decay);
-      m = V::fmadd(omb1, V::sub(g, m), m);
-      v = V::fmadd(V::mul(omb2, g), g, V::mul(b2, v));
+      m = V::add(m, V::mul(omb1, V::sub(g, m)));
+      v = V::add(V::mul(b2, v), V::mul(V::mul(omb2, g), g));
       V::F vd = v;
       if (AMS) {
         vd = V::max(V::load(j.vmax + i), v);

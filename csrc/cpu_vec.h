@@ -34,9 +34,10 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
-// The bitwise body/tail rule needs the compiler not to fuse a*b+c into an FMA on its own (GCC
-// does by default, even with -std=c++17, and for vector intrinsics too): every FMA in the kernel
-// is explicit (std::fma / _mm*_fmadd_ps). After all includes, so it only affects the kernels' code.
+// The kernel performs the reference's operations one rounding each ([Note: coefficients are
+// computed once, in double] in zero_kernels/reference.py): the compiler must not fuse a*b+c into
+// an FMA on its own (GCC does by default, even with -std=c++17, and for vector intrinsics too).
+// After all includes, so it only affects the kernels' code.
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #elif defined(__GNUC__)
@@ -55,6 +56,18 @@ constexpr int ZK_F32 = 0;   // grad dtype codes
 constexpr int ZK_BF16 = 1;
 constexpr int ZK_F16 = 2;
 constexpr int64_t ZK_UNIT = 16;  // elements per work unit (64 B of fp32)
+
+// torch.maximum's NaN on the CPU (its vector path ORs an unordered-compare mask into the max):
+// every SIMD path returns this one NaN, so they stay bitwise equal.
+static inline float zk_max_nan(float a, float b) {
+  if (a != a || b != b) {
+    const uint32_t bits = 0xFFFFFFFFu;
+    float nan;
+    std::memcpy(&nan, &bits, sizeof nan);
+    return nan;
+  }
+  return a > b ? a : b;
+}
 
 // bf16 <-> fp32 on the bits (same in every path).
 static inline float zk_bf16_to_f32(uint16_t b) {
@@ -116,9 +129,8 @@ struct V {
   static inline F sub(F a, F b) { return a - b; }
   static inline F mul(F a, F b) { return a * b; }
   static inline F div(F a, F b) { return a / b; }
-  static inline F fmadd(F a, F b, F c) { return std::fma(a, b, c); }
   static inline F sqrt(F a) { return std::sqrt(a); }
-  static inline F max(F a, F b) { return a > b ? a : b; }
+  static inline F max(F a, F b) { return zk_max_nan(a, b); }
   static inline void sfence() {}
   static inline float s_fp16_to_f32(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
   static inline uint16_t s_f32_to_fp16(float f) { return c10::detail::fp16_ieee_from_fp32_value(f); }
@@ -166,9 +178,11 @@ struct V {
   ZK_TGT static inline F sub(F a, F b) { return _mm256_sub_ps(a, b); }
   ZK_TGT static inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   ZK_TGT static inline F div(F a, F b) { return _mm256_div_ps(a, b); }
-  ZK_TGT static inline F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   ZK_TGT static inline F sqrt(F a) { return _mm256_sqrt_ps(a); }
-  ZK_TGT static inline F max(F a, F b) { return _mm256_max_ps(a, b); }  // a > b ? a : b
+  // torch.maximum (and torch's own AVX2 expression): a NaN operand gives the all-ones NaN.
+  ZK_TGT static inline F max(F a, F b) {
+    return _mm256_or_ps(_mm256_max_ps(a, b), _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
+  }
   ZK_TGT static inline void sfence() { _mm_sfence(); }
   ZK_TGT static inline float s_fp16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
   ZK_TGT static inline uint16_t s_f32_to_fp16(float f) {
@@ -216,9 +230,11 @@ struct V {
   ZK_TGT static inline F sub(F a, F b) { return _mm512_sub_ps(a, b); }
   ZK_TGT static inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   ZK_TGT static inline F div(F a, F b) { return _mm512_div_ps(a, b); }
-  ZK_TGT static inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   ZK_TGT static inline F sqrt(F a) { return _mm512_sqrt_ps(a); }
-  ZK_TGT static inline F max(F a, F b) { return _mm512_max_ps(a, b); }  // a > b ? a : b
+  ZK_TGT static inline F max(F a, F b) {  // as the AVX2 path
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q), _mm512_max_ps(a, b),
+                                _mm512_castsi512_ps(_mm512_set1_epi32(-1)));
+  }
   ZK_TGT static inline void sfence() { _mm_sfence(); }
   ZK_TGT static inline float s_fp16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
   ZK_TGT static inline uint16_t s_f32_to_fp16(float f) {

@@ -32,15 +32,16 @@
 // at odd offsets) take a coalesced scalar loop. Both paths run the same per-element function.
 //
 // [Note: bitwise agreement with the reference]
-// nvcc is invoked with --use_fast_math (zero_kernels/_build.py), which turns '/' and sqrtf into
-// approximations, contracts a*b+c into FMAs and flushes subnormals to zero (-ftz=true), even in
-// __fdiv_rn & co. (they become div.rn.ftz.f32). torch's own kernels do none of that. So the update
-// is written with tiny inline-PTX helpers (mul.rn.f32, add.rn.f32, div.rn.f32, sqrt.rn.f32, no
-// .ftz), in the operation order of reference.fused_adam_ref where each torch op rounds to fp32
-// once; negation flips the sign bit and found_inf is tested on its bits. With fp32 scalars cast
-// from the same doubles as torch casts its Python-float operands, the result matches the
-// reference (run on a GPU) bit for bit, whatever the compiler flags. The kernel is memory-bound:
-// the FMAs it gives up cost nothing measurable.
+// torch's own kernels round every operation once, IEEE-style: no FMA contraction, no approximate
+// division or square root, no flush of subnormals. The build passes no --use_fast_math
+// (zero_kernels/_build.py), and the update is written with tiny inline-PTX helpers anyway
+// (mul.rn.f32, add.rn.f32, div.rn.f32, sqrt.rn.f32, no .ftz: ptxas cannot contract or approximate
+// them, whatever flags a user adds), in the operation order of reference.fused_adam_ref, with
+// torch.maximum's NaN propagation (max.NaN.f32); negation flips the sign bit and found_inf is
+// tested on its bits. The fp32 scalars are cast from the same doubles as torch casts its
+// Python-float operands (1 - beta computed in double on the host: [Note: coefficients are computed
+// once, in double] in reference.py), so the result matches the reference (run on a GPU) bit for
+// bit. The kernel is memory-bound: FMAs it gives up cost nothing measurable.
 #pragma once
 
 #include <cuda_bf16.h>

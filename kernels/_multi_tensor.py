@@ -19,15 +19,35 @@ capture raises (warm up first).
 
 [Note: 128-bit accesses]
 A GPU load is 128-bit only when the compiler can prove 16-byte alignment and the access is
-unmasked. Launchers check the pointers on the host (``aligned``) and pass a constexpr that adds
-``tl.multiple_of`` hints; kernels run a block unmasked when it lies entirely inside its tensor and
-masked only on a tensor's last block.
+unmasked. Alignment is decided per tensor inside the kernel, as the CUDA kernel does per block:
+each program ORs its tensor's addresses (table entries, region starts) and, when they are 16-byte
+aligned, runs its full blocks through a copy of the block body whose pointers carry
+``tl.multiple_of(ptr, 16)`` hints; a misaligned tensor (a view at an odd offset, a region after an
+odd-sized parameter) takes the unhinted copy, and only that tensor does. Blocks run unmasked when
+they lie entirely inside their tensor (chunk starts are multiples of the block), masked only on a
+tensor's last block. Every variant therefore compiles to 128-bit accesses (tests/test_codegen.py).
+All of a kernel's loads and stores must also share one register layout, or Triton converts between
+them through shared memory: each launcher picks num_warps so that one thread's elements per
+access fit in 128 bits for every dtype it touches.
+
+[Note: interpreter bits are GPU bits]
+Under TRITON_INTERPRET=1 each fp32 operation is computed by numpy, correctly rounded, and Python
+float kernel arguments stay doubles; compiled for a GPU, Triton 3.9 contracts a*b+c into ``fma``
+(unless launched with ``enable_fp_fusion=False``), lowers ``/`` to ``div.full.f32`` and
+``tl.sqrt`` to ``sqrt.approx.ftz.f32``, ``tl.maximum`` to the NaN-dropping ``max.f32``, and
+computes scalar arithmetic on fp32 arguments in fp32. So the kernels: are launched with
+``enable_fp_fusion=False``; divide and take square roots with ``tl.div_rn`` / ``tl.sqrt_rn``;
+take maxima with ``propagate_nan=tl.PropagateNan.ALL`` (torch.maximum); and compute no
+coefficient from their scalar arguments (they receive 1 - beta etc. computed in double on the
+host, [Note: coefficients are computed once, in double] in reference.py). Then the interpreter's
+result is the GPU's, bit for bit; tests/test_codegen.py checks the PTX, tests/test_numerics.py
+runs the kernels with fp32 scalar arguments.
 """
 from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Any, Callable, ContextManager, Iterable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import triton
@@ -125,15 +145,8 @@ def chunk_map(numels: tuple[int, ...], chunk: int, device: torch.device) -> tupl
     return TABLES.get(("chunks", chunk, numels), device, build, (torch.int64, torch.int32, torch.int64))[0]
 
 
-def pointer_table(rows: Sequence[int], device: torch.device, boundary: int = 16) -> tuple[Tensor, bool]:
-    """(int64 device tensor of the pointers or byte offsets ``rows``, whether every one is a multiple
-    of ``boundary``), cached on the contents: an unchanged table costs one hash, no upload."""
+def pointer_table(rows: Sequence[int], device: torch.device) -> Tensor:
+    """An int64 device tensor of the pointers or element offsets ``rows``, cached on the contents: an
+    unchanged table costs one hash, no upload ([Note: device tables])."""
     rows = tuple(rows)
-    (table,), is_aligned = TABLES.get(("ptrs", boundary, rows), device,
-                                      lambda: ((rows,), aligned(rows, boundary)), (torch.int64,))
-    return table, is_aligned
-
-
-def aligned(addresses: Iterable[int], boundary: int = 16) -> bool:
-    """True when every address (or byte offset) is a multiple of ``boundary``."""
-    return all(a % boundary == 0 for a in addresses)
+    return TABLES.get(("ptrs", rows), device, lambda: ((rows,), None), (torch.int64,))[0][0]

@@ -24,13 +24,22 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..reference import moment_coeffs
 from ._multi_tensor import chunk_map, device_guard, pointer_table, round_bf16_bits, upload
 
 # Elements per program: BLOCK per iteration x ITERS iterations. Large chunks keep the grid small
-# (and the interpreter fast); BLOCK=1024 with 4 warps gives each thread 8 fp32 = two 128-bit loads.
+# (and the interpreter fast). BLOCK=1024 with 8 warps gives each thread 4 elements per iteration:
+# one 128-bit access per fp32 array and one 64-bit access per 16-bit array (a warp still covers
+# 256 contiguous bytes). Four fp32 elements per thread is the widest that every array shares: with
+# 8 per thread the 16-bit arrays would load 128 bits (8 elements) while fp32 stores are capped at
+# 128 bits (4 elements), and Triton converts between the two layouts through 4 KB of shared
+# memory per block (tests/test_codegen.py asserts shared == 0).
 BLOCK = 1024
 ITERS = 4
 CHUNK = BLOCK * ITERS
+# Every launch (and every CODEGEN_CASES compile) uses these options; enable_fp_fusion=False: see
+# [Note: interpreter bits are GPU bits] in _multi_tensor.py.
+LAUNCH_OPTIONS = dict(num_warps=8, enable_fp_fusion=False)
 
 # Columns of the pointer table.
 _MASTER, _GRAD, _EXP_AVG, _EXP_AVG_SQ, _MAX_SQ, _P16 = range(6)
@@ -38,10 +47,11 @@ _MASTER, _GRAD, _EXP_AVG, _EXP_AVG_SQ, _MAX_SQ, _P16 = range(6)
 
 @triton.jit
 def _adam_update(p, g, m, v, vmax, step_size, bc2_sqrt, decay, grad_scale,
-                 beta1, beta2, eps, weight_decay,
+                 one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
                  HAS_GRAD_SCALE: tl.constexpr, ADAMW: tl.constexpr, AMSGRAD: tl.constexpr,
                  MAXIMIZE: tl.constexpr):
-    """One element's Adam/AdamW update in fp32 (the order of reference.fused_adam_ref)."""
+    """One element's Adam/AdamW update in fp32: the operations of reference.fused_adam_ref, in
+    its order, each rounded once ([Note: interpreter bits are GPU bits] in _multi_tensor.py)."""
     if HAS_GRAD_SCALE:
         g = g * grad_scale
     if MAXIMIZE:
@@ -49,24 +59,27 @@ def _adam_update(p, g, m, v, vmax, step_size, bc2_sqrt, decay, grad_scale,
     if ADAMW:
         p = p * decay
     else:
-        g = g + weight_decay * p
-    m = m + (1.0 - beta1) * (g - m)
-    v = beta2 * v + (1.0 - beta2) * g * g
+        if weight_decay != 0.0:   # as the reference: no 0 * p term (0 * inf would be NaN)
+            g = g + weight_decay * p
+    m = m + one_minus_beta1 * (g - m)
+    v = beta2 * v + one_minus_beta2 * g * g
     if AMSGRAD:
-        vmax = tl.maximum(vmax, v)
-        denom = tl.sqrt(vmax) / bc2_sqrt + eps
+        vmax = tl.maximum(vmax, v, propagate_nan=tl.PropagateNan.ALL)   # torch.maximum
+        denom = tl.div_rn(tl.sqrt_rn(vmax), bc2_sqrt) + eps
     else:
-        denom = tl.sqrt(v) / bc2_sqrt + eps
-    p = p - step_size * m / denom
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    p = p - tl.div_rn(step_size * m, denom)
     return p, m, v, vmax
 
 
 @triton.jit
 def _adam_block(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, offs, mask,
-                step_size, bc2_sqrt, decay, grad_scale, beta1, beta2, eps, weight_decay,
+                step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2, one_minus_beta2,
+                eps, weight_decay,
                 MASKED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, ADAMW: tl.constexpr,
                 AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, P16_KIND: tl.constexpr):
-    """Load, update and store one BLOCK. MASKED=False compiles to unpredicated 128-bit accesses."""
+    """Load, update and store one BLOCK. MASKED=False with 16-byte-hinted pointers compiles to
+    unpredicated 128-bit accesses."""
     if MASKED:
         p = tl.load(master_ptr + offs, mask=mask, other=0.0)
         g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -80,7 +93,7 @@ def _adam_block(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, offs, mas
         v = tl.load(v_ptr + offs)
         vmax = tl.load(vmax_ptr + offs) if AMSGRAD else v
     p, m, v, vmax = _adam_update(p, g, m, v, vmax, step_size, bc2_sqrt, decay, grad_scale,
-                                 beta1, beta2, eps, weight_decay,
+                                 one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
                                  HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE)
     if P16_KIND == 1:
         p16 = round_bf16_bits(p)
@@ -113,9 +126,11 @@ def fused_adam_kernel(
     chunk_start,      # int64 [n_programs]: first element of program pid's chunk inside its tensor
     grad_scale_ptr,   # fp32 [1]: gradient multiplier (1/loss_scale x clip coefficient); read iff HAS_GRAD_SCALE
     found_inf_ptr,    # fp32 [1]: nonzero -> the whole step writes nothing; read iff HAS_FOUND_INF
-    beta1, beta2,     # fp32 scalars: moment decay rates
+    one_minus_beta1,  # fp32 scalar: 1 - beta1, computed in double on the host (reference.moment_coeffs)
+    beta2,            # fp32 scalar: second-moment decay rate
+    one_minus_beta2,  # fp32 scalar: 1 - beta2, computed in double on the host
     eps,              # fp32 scalar: denominator epsilon (added after the bias-corrected sqrt, as torch)
-    weight_decay,     # fp32 scalar: L2 coefficient added to the gradient when not ADAMW
+    weight_decay,     # fp32 scalar: L2 coefficient added to the gradient when not ADAMW (skipped if 0)
     GRAD_DTYPE: tl.constexpr,      # tl.float32 / tl.bfloat16 / tl.float16
     P16_KIND: tl.constexpr,        # 0: no 16-bit copy, 1: bf16 (stored as RNE bits), 2: fp16
     HAS_GRAD_SCALE: tl.constexpr,
@@ -123,7 +138,6 @@ def fused_adam_kernel(
     ADAMW: tl.constexpr,           # decoupled weight decay (AdamW) vs L2 (Adam)
     AMSGRAD: tl.constexpr,
     MAXIMIZE: tl.constexpr,
-    ALIGNED: tl.constexpr,         # every pointer is 16-byte aligned: allow 128-bit accesses
     BLOCK_SIZE: tl.constexpr,      # elements per iteration
     N_ITERS: tl.constexpr,         # iterations per program (chunk = BLOCK_SIZE * N_ITERS)
 ):
@@ -135,22 +149,20 @@ def fused_adam_kernel(
     start = tl.load(chunk_start + pid)
     numel = tl.load(numels + t)
     row = ptr_table + t * 6
-    master_ptr = tl.load(row + 0).to(tl.pointer_type(tl.float32))
-    grad_ptr = tl.load(row + 1).to(tl.pointer_type(GRAD_DTYPE))
-    m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    vmax_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    a_master, a_grad, a_m = tl.load(row + 0), tl.load(row + 1), tl.load(row + 2)
+    a_v, a_vmax, a_p16 = tl.load(row + 3), tl.load(row + 4), tl.load(row + 5)
+    # Per tensor, as the CUDA kernel per block: 128-bit accesses iff all its pointers (absent = 0)
+    # are 16-byte aligned. Chunk starts are multiples of BLOCK_SIZE, so every full block is too.
+    aligned = ((a_master | a_grad | a_m | a_v | a_vmax | a_p16) & 15) == 0
+    master_ptr = a_master.to(tl.pointer_type(tl.float32))
+    grad_ptr = a_grad.to(tl.pointer_type(GRAD_DTYPE))
+    m_ptr = a_m.to(tl.pointer_type(tl.float32))
+    v_ptr = a_v.to(tl.pointer_type(tl.float32))
+    vmax_ptr = a_vmax.to(tl.pointer_type(tl.float32))
     if P16_KIND == 1:
-        p16_ptr = tl.load(row + 5).to(tl.pointer_type(tl.uint16))
+        p16_ptr = a_p16.to(tl.pointer_type(tl.uint16))
     else:
-        p16_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float16))
-    if ALIGNED:
-        master_ptr = tl.multiple_of(master_ptr, 16)
-        grad_ptr = tl.multiple_of(grad_ptr, 16)
-        m_ptr = tl.multiple_of(m_ptr, 16)
-        v_ptr = tl.multiple_of(v_ptr, 16)
-        vmax_ptr = tl.multiple_of(vmax_ptr, 16)
-        p16_ptr = tl.multiple_of(p16_ptr, 16)
+        p16_ptr = a_p16.to(tl.pointer_type(tl.float16))
     step_size = tl.load(coeffs + t * 3 + 0)
     bc2_sqrt = tl.load(coeffs + t * 3 + 1)
     decay = tl.load(coeffs + t * 3 + 2)
@@ -158,15 +170,24 @@ def fused_adam_kernel(
     for i in range(N_ITERS):
         block_start = start + i * BLOCK_SIZE
         offs = block_start + tl.arange(0, BLOCK_SIZE).to(tl.int64)
-        if ALIGNED:
-            offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_SIZE), BLOCK_SIZE)
+        offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_SIZE), BLOCK_SIZE)
         if block_start + BLOCK_SIZE <= numel:
-            _adam_block(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, offs, None,
-                        step_size, bc2_sqrt, decay, grad_scale, beta1, beta2, eps, weight_decay,
-                        False, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND)
+            if aligned:
+                _adam_block(tl.multiple_of(master_ptr, 16), tl.multiple_of(grad_ptr, 16),
+                            tl.multiple_of(m_ptr, 16), tl.multiple_of(v_ptr, 16),
+                            tl.multiple_of(vmax_ptr, 16), tl.multiple_of(p16_ptr, 16), offs, None,
+                            step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2,
+                            one_minus_beta2, eps, weight_decay,
+                            False, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND)
+            else:
+                _adam_block(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, offs, None,
+                            step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2,
+                            one_minus_beta2, eps, weight_decay,
+                            False, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND)
         elif block_start < numel:
             _adam_block(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, offs, offs < numel,
-                        step_size, bc2_sqrt, decay, grad_scale, beta1, beta2, eps, weight_decay,
+                        step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2,
+                        one_minus_beta2, eps, weight_decay,
                         True, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND)
 
 
@@ -188,7 +209,7 @@ def _launch_group(masters, grads, exp_avgs, exp_avg_sqs, max_sqs, params16, coef
     ptrs = [x for row in zip([t.data_ptr() for t in masters], [t.data_ptr() for t in grads],
                              [t.data_ptr() for t in exp_avgs], [t.data_ptr() for t in exp_avg_sqs],
                              vmax_ptrs, p16_ptrs) for x in row]
-    table, is_aligned = pointer_table(ptrs, device)
+    table = pointer_table(ptrs, device)
     numels, chunk_tensor, chunk_start = chunk_map(tuple([t.numel() for t in masters]), CHUNK, device)
     if chunk_tensor.numel() == 0:
         return 0
@@ -198,15 +219,16 @@ def _launch_group(masters, grads, exp_avgs, exp_avg_sqs, max_sqs, params16, coef
     gs = grad_scale.to(device=device, dtype=torch.float32) if grad_scale is not None else dummy
     fi = found_inf.to(device=device, dtype=torch.float32) if found_inf is not None else dummy
     grid = (chunk_tensor.numel(),)
+    one_minus_beta1, one_minus_beta2 = moment_coeffs(beta1, beta2)
     with device_guard(device):
         fused_adam_kernel[grid](
             table, numels, c, chunk_tensor, chunk_start, gs, fi,
-            float(beta1), float(beta2), float(eps), float(weight_decay),
+            one_minus_beta1, float(beta2), one_minus_beta2, float(eps), float(weight_decay),
             GRAD_DTYPE=_TL_DTYPE[grads[0].dtype],
             P16_KIND=_P16_KIND[params16[0].dtype if params16 is not None else None],
             HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-            ADAMW=bool(adamw), AMSGRAD=max_sqs is not None, MAXIMIZE=bool(maximize), ALIGNED=is_aligned,
-            BLOCK_SIZE=BLOCK, N_ITERS=ITERS, num_warps=4,
+            ADAMW=bool(adamw), AMSGRAD=max_sqs is not None, MAXIMIZE=bool(maximize),
+            BLOCK_SIZE=BLOCK, N_ITERS=ITERS, **LAUNCH_OPTIONS,
         )
     return 1
 
@@ -268,29 +290,29 @@ def fused_adam_triton(
 
 
 # Ahead-of-time codegen cases (tests/test_codegen.py compiles each for sm_80 and sm_90 and checks
-# the PTX for 128-bit accesses and the cubin for spills): (kernel, signature, constexprs, description,
-# options). Every dtype combination fused_adam_triton launches with, aligned and unaligned.
+# the PTX for IEEE numerics, 128-bit accesses and no shared memory, and the cubin for spills):
+# (kernel, signature, constexprs, description, options). Every dtype combination fused_adam_triton
+# launches with; alignment is a run-time branch per tensor, so each variant has both paths.
 def _codegen_cases() -> list:
     sig = dict(ptr_table="*i64", numels="*i64", coeffs="*fp32", chunk_tensor="*i32", chunk_start="*i64",
-               grad_scale_ptr="*fp32", found_inf_ptr="*fp32",
-               beta1="fp32", beta2="fp32", eps="fp32", weight_decay="fp32")
-    num_warps = 4
-    per_thread = BLOCK // (32 * num_warps)                     # elements per thread per block
-    words = lambda nbytes: max(1, per_thread * nbytes // 16)   # noqa: E731 - 128-bit accesses per array
+               grad_scale_ptr="*fp32", found_inf_ptr="*fp32", one_minus_beta1="fp32", beta2="fp32",
+               one_minus_beta2="fp32", eps="fp32", weight_decay="fp32")
+    per_thread = BLOCK // (32 * LAUNCH_OPTIONS["num_warps"])   # elements per thread per block
+    words = lambda nbytes: per_thread * nbytes // 16           # noqa: E731 - 128-bit accesses per array
     names = {tl.float32: "fp32", tl.bfloat16: "bf16", tl.float16: "fp16"}
     cases = []
     for grad, p16 in ((tl.float32, 0), (tl.bfloat16, 1), (tl.float16, 2), (tl.float32, 1)):
         for ams in (False, True):
-            for aligned in (True, False):
+            for adamw in (True, False):
                 ce = dict(GRAD_DTYPE=grad, P16_KIND=p16, HAS_GRAD_SCALE=True, HAS_FOUND_INF=True,
-                          ADAMW=True, AMSGRAD=ams, MAXIMIZE=True, ALIGNED=aligned,
-                          BLOCK_SIZE=BLOCK, N_ITERS=ITERS)
+                          ADAMW=adamw, AMSGRAD=ams, MAXIMIZE=True, BLOCK_SIZE=BLOCK, N_ITERS=ITERS)
                 g_bytes = 4 if grad == tl.float32 else 2
                 desc = (f"grad={names[grad]} p16={['none', 'bf16', 'fp16'][p16]}"
-                        f"{' amsgrad' if ams else ''}{'' if aligned else ' unaligned'}")
-                opts = dict(num_warps=num_warps, streaming=aligned,
+                        f"{' amsgrad' if ams else ''}{'' if adamw else ' adam-l2'}")
+                # 16-bit arrays move 64 bits per thread (see BLOCK above): not counted as wide.
+                opts = dict(LAUNCH_OPTIONS, streaming=True,
                             min_wide_loads=(3 + ams) * words(4) + words(g_bytes),
-                            min_wide_stores=(3 + ams) * words(4) + (words(2) if p16 else 0))
+                            min_wide_stores=(3 + ams) * words(4))
                 cases.append((fused_adam_kernel, sig, ce, desc, opts))
     return cases
 

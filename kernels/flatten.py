@@ -26,16 +26,45 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._multi_tensor import aligned, chunk_map, device_guard, pointer_table, round_bf16_bits
+from ._multi_tensor import chunk_map, device_guard, pointer_table, round_bf16_bits
 
 __all__ = ["flatten_triton", "unflatten_triton", "flatten_kernel", "unflatten_kernel", "CODEGEN_CASES"]
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _BITS = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
 _TORCH_BITS = {tl.uint8: torch.uint8, tl.uint16: torch.int16, tl.uint32: torch.int32, tl.uint64: torch.int64}
-BLOCK = 1024              # elements per iteration (4 warps: 8 per thread)
+BLOCK = 1024              # elements per iteration
 ITERS = 4                 # iterations per program
 CHUNK = BLOCK * ITERS     # elements per program
+# Launch options (shared with CODEGEN_CASES; enable_fp_fusion=False: [Note: interpreter bits are
+# GPU bits] in _multi_tensor.py). flatten casts between widths: 8 warps give 4 elements per thread,
+# one 128-bit access per fp32 array and 64 bits per 16-bit one, so loads and stores share one
+# register layout (8 per thread would convert layouts through shared memory). unflatten copies
+# bits of one width: 4 warps, 8 elements per thread, 128-bit accesses for 16-bit data too.
+FLATTEN_LAUNCH = dict(num_warps=8, enable_fp_fusion=False)
+UNFLATTEN_LAUNCH = dict(num_warps=4, enable_fp_fusion=False)
+
+
+@triton.jit
+def _flatten_block(src, d, offs, mask, scale, MASKED: tl.constexpr, ACCUMULATE: tl.constexpr,
+                   DST_BF16: tl.constexpr):
+    """dst[offs] (+)= src[offs] * scale for one BLOCK, rounded once at the store."""
+    if MASKED:
+        x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32) * scale
+        if ACCUMULATE:
+            x = x + tl.load(d + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(src + offs).to(tl.float32) * scale
+        if ACCUMULATE:
+            x = x + tl.load(d + offs).to(tl.float32)
+    if DST_BF16:
+        y = round_bf16_bits(x).to(tl.bfloat16, bitcast=True)
+    else:
+        y = x.to(d.dtype.element_ty)
+    if MASKED:
+        tl.store(d + offs, y, mask=mask)
+    else:
+        tl.store(d + offs, y)
 
 
 @triton.jit
@@ -50,8 +79,6 @@ def flatten_kernel(
     SRC_DTYPE: tl.constexpr,    # tl.float32 / tl.bfloat16 / tl.float16: dtype of every source
     ACCUMULATE: tl.constexpr,   # True: dst += src * scale; False: dst = src * scale
     DST_BF16: tl.constexpr,     # True when dst is bf16 (explicit round-to-nearest-even store)
-    SRC_ALIGNED: tl.constexpr,  # every source pointer is 16-byte aligned
-    DST_ALIGNED: tl.constexpr,  # dst and every region start are 16-byte aligned
     BLOCK_SIZE: tl.constexpr,   # elements per iteration
     N_ITERS: tl.constexpr,      # iterations per program
 ):
@@ -59,35 +86,24 @@ def flatten_kernel(
     t = tl.load(chunk_tensor + pid).to(tl.int64)
     start = tl.load(chunk_start + pid)
     n = tl.load(numels + t)
-    src = tl.load(src_table + t).to(tl.pointer_type(SRC_DTYPE))
+    src_addr = tl.load(src_table + t)
+    src = src_addr.to(tl.pointer_type(SRC_DTYPE))
     d = dst + tl.load(dst_offsets + t)
-    if SRC_ALIGNED:
-        src = tl.multiple_of(src, 16)
-    if DST_ALIGNED:
-        d = tl.multiple_of(d, 16)
+    # Per tensor ([Note: 128-bit accesses]): vector accesses iff its source and its region are
+    # 16-byte aligned; a misaligned region (an odd-sized neighbour) costs only this tensor.
+    aligned = ((src_addr | d.to(tl.int64)) & 15) == 0
     for i in range(N_ITERS):
         block_start = start + i * BLOCK_SIZE
         offs = block_start + tl.arange(0, BLOCK_SIZE).to(tl.int64)
         offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_SIZE), BLOCK_SIZE)
-        full = block_start + BLOCK_SIZE <= n
-        if block_start < n:
-            mask = offs < n
-            if full:   # unmasked: 128-bit accesses when aligned
-                x = tl.load(src + offs).to(tl.float32) * scale
-                if ACCUMULATE:
-                    x = x + tl.load(d + offs).to(tl.float32)
+        if block_start + BLOCK_SIZE <= n:
+            if aligned:
+                _flatten_block(tl.multiple_of(src, 16), tl.multiple_of(d, 16), offs, None, scale,
+                               False, ACCUMULATE, DST_BF16)
             else:
-                x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32) * scale
-                if ACCUMULATE:
-                    x = x + tl.load(d + offs, mask=mask, other=0.0).to(tl.float32)
-            if DST_BF16:
-                y = round_bf16_bits(x).to(tl.bfloat16, bitcast=True)
-            else:
-                y = x.to(d.dtype.element_ty)
-            if full:
-                tl.store(d + offs, y)
-            else:
-                tl.store(d + offs, y, mask=mask)
+                _flatten_block(src, d, offs, None, scale, False, ACCUMULATE, DST_BF16)
+        elif block_start < n:
+            _flatten_block(src, d, offs, offs < n, scale, True, ACCUMULATE, DST_BF16)
 
 
 @triton.jit
@@ -99,8 +115,6 @@ def unflatten_kernel(
     chunk_tensor,               # *int32 [n_programs]: the destination tensor program pid fills
     chunk_start,                # *int64 [n_programs]: first element of program pid's chunk in it
     BITS_DTYPE: tl.constexpr,   # tl.uint16 / tl.uint32: element width (a bit copy, no rounding)
-    SRC_ALIGNED: tl.constexpr,  # src and every region start are 16-byte aligned
-    DST_ALIGNED: tl.constexpr,  # every destination pointer is 16-byte aligned
     BLOCK_SIZE: tl.constexpr,   # elements per iteration
     N_ITERS: tl.constexpr,      # iterations per program
 ):
@@ -109,17 +123,20 @@ def unflatten_kernel(
     start = tl.load(chunk_start + pid)
     n = tl.load(numels + t)
     s = src + tl.load(src_offsets + t)
-    dst = tl.load(dst_table + t).to(tl.pointer_type(BITS_DTYPE))
-    if SRC_ALIGNED:
-        s = tl.multiple_of(s, 16)
-    if DST_ALIGNED:
-        dst = tl.multiple_of(dst, 16)
+    dst_addr = tl.load(dst_table + t)
+    dst = dst_addr.to(tl.pointer_type(BITS_DTYPE))
+    aligned = ((dst_addr | s.to(tl.int64)) & 15) == 0   # per tensor, as flatten_kernel
     for i in range(N_ITERS):
         block_start = start + i * BLOCK_SIZE
         offs = block_start + tl.arange(0, BLOCK_SIZE).to(tl.int64)
         offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_SIZE), BLOCK_SIZE)
         if block_start + BLOCK_SIZE <= n:
-            tl.store(dst + offs, tl.load(s + offs))
+            if aligned:
+                sa = tl.multiple_of(s, 16)
+                da = tl.multiple_of(dst, 16)
+                tl.store(da + offs, tl.load(sa + offs))
+            else:
+                tl.store(dst + offs, tl.load(s + offs))
         elif block_start < n:
             mask = offs < n
             tl.store(dst + offs, tl.load(s + offs, mask=mask), mask=mask)
@@ -137,20 +154,17 @@ def flatten_triton(tensors: Sequence[Tensor | None], out: Tensor, offsets: Seque
         if t.dtype not in _TL:
             raise ValueError(f"flatten: unsupported source dtype {t.dtype}")
         by_dtype.setdefault(t.dtype, []).append((t.contiguous(), off))
-    esize = out.element_size()
     for dt, items in by_dtype.items():
         srcs = [t for t, _ in items]
         numels, chunk_tensor, chunk_start = chunk_map(tuple(t.numel() for t in srcs), CHUNK, out.device)
-        src_table, src_aligned = pointer_table([t.data_ptr() for t in srcs], out.device)
-        offsets_table, _ = pointer_table([o for _, o in items], out.device)
+        src_table = pointer_table([t.data_ptr() for t in srcs], out.device)
+        offsets_table = pointer_table([o for _, o in items], out.device)
         with device_guard(out.device):
             flatten_kernel[(chunk_tensor.numel(),)](
                 src_table, numels, offsets_table, chunk_tensor, chunk_start, out,
                 1.0 if scale is None else float(scale),
                 SRC_DTYPE=_TL[dt], ACCUMULATE=accumulate, DST_BF16=out.dtype == torch.bfloat16,
-                SRC_ALIGNED=src_aligned,
-                DST_ALIGNED=aligned([out.data_ptr()] + [o * esize for _, o in items]),
-                BLOCK_SIZE=BLOCK, N_ITERS=ITERS, num_warps=4)
+                BLOCK_SIZE=BLOCK, N_ITERS=ITERS, **FLATTEN_LAUNCH)
         del srcs  # keep the contiguous copies alive until the launch is queued
 
 
@@ -163,19 +177,17 @@ def unflatten_triton(flat: Tensor, tensors: Sequence[Tensor], offsets: Sequence[
         if t.dtype != flat.dtype or not t.is_contiguous():
             raise ValueError(f"unflatten: destinations must be contiguous {flat.dtype}, got {t.dtype}")
     bits = _BITS[flat.element_size()]
-    esize = flat.element_size()
     numels, chunk_tensor, chunk_start = chunk_map(tuple(t.numel() for t, _ in items), CHUNK, flat.device)
-    dst_table, dst_aligned = pointer_table([t.data_ptr() for t, _ in items], flat.device)
-    offsets_table, _ = pointer_table([o for _, o in items], flat.device)
+    dst_table = pointer_table([t.data_ptr() for t, _ in items], flat.device)
+    offsets_table = pointer_table([o for _, o in items], flat.device)
     with device_guard(flat.device):
         unflatten_kernel[(chunk_tensor.numel(),)](
             flat.view(_TORCH_BITS[bits]), dst_table, numels, offsets_table, chunk_tensor, chunk_start,
-            BITS_DTYPE=bits, SRC_ALIGNED=aligned([flat.data_ptr()] + [o * esize for _, o in items]),
-            DST_ALIGNED=dst_aligned, BLOCK_SIZE=BLOCK, N_ITERS=ITERS, num_warps=4)
+            BITS_DTYPE=bits, BLOCK_SIZE=BLOCK, N_ITERS=ITERS, **UNFLATTEN_LAUNCH)
 
 
-# Ahead-of-time codegen cases (format: kernels/adam.py). The streaming cases (everything aligned)
-# must compile to 128-bit global loads and stores; the unaligned ones only to spill-free code.
+# Ahead-of-time codegen cases (format: kernels/adam.py). Every case must compile to 128-bit global
+# accesses (alignment is a run-time branch per tensor), IEEE fp32 math and no shared memory.
 def _codegen_cases() -> list:
     flat_sig = dict(src_table="*i64", numels="*i64", dst_offsets="*i64", chunk_tensor="*i32",
                     chunk_start="*i64", scale="fp32")
@@ -184,17 +196,18 @@ def _codegen_cases() -> list:
     names = {tl.float32: "fp32", tl.bfloat16: "bf16", tl.float16: "fp16"}
     cases = []
     for src, dst, acc in ((tl.bfloat16, "*fp32", False), (tl.float16, "*fp32", False),
-                          (tl.float32, "*fp32", True), (tl.float32, "*bf16", False)):
-        for al in (True, False):
-            ce = dict(SRC_DTYPE=src, ACCUMULATE=acc, DST_BF16=dst == "*bf16", SRC_ALIGNED=al,
-                      DST_ALIGNED=al, BLOCK_SIZE=BLOCK, N_ITERS=ITERS)
-            desc = f"flatten {names[src]} -> {dst[1:]}{' accumulate' if acc else ''}{'' if al else ' unaligned'}"
-            cases.append((flatten_kernel, dict(flat_sig, dst=dst), ce, desc, dict(streaming=al)))
+                          (tl.float32, "*fp32", True), (tl.float32, "*fp32", False),
+                          (tl.float32, "*bf16", False)):
+        ce = dict(SRC_DTYPE=src, ACCUMULATE=acc, DST_BF16=dst == "*bf16", BLOCK_SIZE=BLOCK, N_ITERS=ITERS)
+        desc = f"flatten {names[src]} -> {dst[1:]}{' accumulate' if acc else ''}"
+        # 128-bit on the fp32 side; a 16-bit side moves 64 bits per thread (see FLATTEN_LAUNCH).
+        opts = dict(FLATTEN_LAUNCH, streaming=True, min_wide_loads=int(src == tl.float32),
+                    min_wide_stores=int(dst == "*fp32"))
+        cases.append((flatten_kernel, dict(flat_sig, dst=dst), ce, desc, opts))
     for bits, sig in ((tl.uint16, "*u16"), (tl.uint32, "*u32")):
-        for al in (True, False):
-            ce = dict(BITS_DTYPE=bits, SRC_ALIGNED=al, DST_ALIGNED=al, BLOCK_SIZE=BLOCK, N_ITERS=ITERS)
-            cases.append((unflatten_kernel, dict(unflat_sig, src=sig), ce,
-                          f"unflatten {sig[1:]}{'' if al else ' unaligned'}", dict(streaming=al)))
+        ce = dict(BITS_DTYPE=bits, BLOCK_SIZE=BLOCK, N_ITERS=ITERS)
+        cases.append((unflatten_kernel, dict(unflat_sig, src=sig), ce, f"unflatten {sig[1:]}",
+                      dict(UNFLATTEN_LAUNCH, streaming=True)))
     return cases
 
 

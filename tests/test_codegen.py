@@ -10,7 +10,8 @@ Each kernels module (``zero_kernels.kernels.<name>``, source in ``kernels/<name>
          constexprs,    # {arg: value} for every tl.constexpr argument (tl.float32 etc. allowed)
          description,   # short text shown in the test id, e.g. "grad=bf16 p16=bf16 amsgrad"
          options),      # OPTIONAL dict, every key optional:
-                        #   num_warps (4), num_stages (3): as the launcher passes them;
+                        #   num_warps (4), num_stages (3), enable_fp_fusion (triton's default):
+                        #     as the launcher passes them (share one dict with the launch);
                         #   streaming (True): assert 128-bit global loads AND stores in the PTX;
                         #   min_wide_loads / min_wide_stores (1): how many 128-bit ld / st at least
                         #     (e.g. 4 fp32 arrays x 2 words per thread = 8);
@@ -25,6 +26,12 @@ For every case and for sm_80 and sm_90 (``GPUTarget("cuda", 80|90, 32)``) the te
   * streaming cases: the PTX has 128-bit global loads and stores. 128 bits is ``.v4`` of a 32-bit
     type (``ld.global.v4.b32``: Triton packs 8 bf16/fp16 into 4 b32 registers, so 16-bit data is
     128-bit too) or ``.v2`` of a 64-bit type; masked tails may still be scalar;
+  * IEEE fp32 numerics ([Note: IEEE numerics in the PTX] below): no fma, no .approx, no div.full,
+    no .ftz, no NaN-dropping max/min, so the GPU computes the interpreter's bits;
+  * no shared memory (``metadata.shared == 0``): a streaming kernel that needs some is converting
+    register layouts between loads and stores of different widths;
+  * every case streams (``streaming`` False is refused): alignment is decided per tensor inside the
+    kernel, so no variant is compiled to scalar accesses only;
   * no kernel spills: Triton's own ptxas (``triton/backends/nvidia/bin``, the exact one
     triton.compile uses, same flags) is rerun with ``-v`` on the PTX and must report
     ``0 bytes spill stores, 0 bytes spill loads``; registers are printed (``pytest -s``).
@@ -71,8 +78,8 @@ def normalize_case(case) -> dict:
         raise TypeError(f"a CODEGEN_CASES entry is (kernel, signature, constexprs, description[, options]), got {case!r}")
     kernel, signature, constexprs, description = case[:4]
     options = dict(case[4]) if len(case) == 5 else {}
-    unknown = set(options) - {"num_warps", "num_stages", "streaming", "min_wide_loads", "min_wide_stores",
-                              "divisible_by_16"}
+    unknown = set(options) - {"num_warps", "num_stages", "enable_fp_fusion", "streaming", "min_wide_loads",
+                              "min_wide_stores", "divisible_by_16"}
     if unknown:
         raise ValueError(f"{description}: unknown options {sorted(unknown)}")
     return dict(kernel=kernel, signature=dict(signature), constexprs=dict(constexprs),
@@ -110,6 +117,30 @@ def ptx_access_widths(ptx: str) -> dict:
             bits = int(m.group(1)) if m else 0
         out[op][bits] = out[op].get(bits, 0) + 1
     return out
+
+
+# [Note: IEEE numerics in the PTX]
+# The interpreter computes every fp32 operation correctly rounded (numpy), so the GPU gives the same
+# bits only if the compiled kernel does too: no contracted multiply-add (``fma`` appears only where
+# ``enable_fp_fusion`` is left on: kernels launch with it off), no approximate division or square
+# root (``div.full``, ``div.approx``, ``sqrt.approx``, ``rsqrt.approx``: ``tl.div_rn`` /
+# ``tl.sqrt_rn`` give ``div.rn.f32`` / ``sqrt.rn.f32``), no flush of subnormals (``.ftz``), and no
+# NaN-dropping float max/min (``max.f32``; torch.maximum propagates NaN: ``max.NaN.f32``).
+_IEEE_VIOLATIONS = {
+    "fma": re.compile(r"\bfma\.[\w.]*f(?:16|32|64)\b"),
+    "approx": re.compile(r"\.approx\b"),
+    "div.full": re.compile(r"\bdiv\.full\b"),
+    "ftz": re.compile(r"\.ftz\b"),
+    "max/min without NaN": re.compile(r"\b(?:max|min)(?:\.ftz)?\.f(?:16|32|64)\b"),
+}
+
+
+def ptx_ieee_counts(ptx: str) -> dict:
+    """{violation: count} over the PTX's instructions (comments and directives stripped)."""
+    body = "\n".join(line.split("//")[0] for line in ptx.splitlines() if not line.lstrip().startswith("."))
+    counts = {name: len(rx.findall(body)) for name, rx in _IEEE_VIOLATIONS.items()}
+    counts["max.NaN"] = len(re.findall(r"\b(?:max|min)\.NaN\.f32\b", body))
+    return counts
 
 
 _PTXAS_PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -156,10 +187,13 @@ def compile_case(case: dict, capability: int) -> dict:
     src = ASTSource(kernel, full_sig, constexprs, attrs)
     target = GPUTarget("cuda", capability, 32)
     options = {"num_warps": opts.get("num_warps", 4), "num_stages": opts.get("num_stages", 3)}
+    if "enable_fp_fusion" in opts:
+        options["enable_fp_fusion"] = opts["enable_fp_fusion"]
     compiled = triton.compile(src, target=target, options=options)
     ptx = compiled.asm["ptx"]
     fp_fusion = getattr(compiled.metadata, "enable_fp_fusion", True)
-    return dict(widths=ptx_access_widths(ptx), ptxas=_ptxas_report(ptx, capability, fp_fusion),
+    return dict(widths=ptx_access_widths(ptx), ieee=ptx_ieee_counts(ptx),
+                ptxas=_ptxas_report(ptx, capability, fp_fusion),
                 shared=getattr(compiled.metadata, "shared", None), fp_fusion=fp_fusion,
                 target=re.search(r"\.target\s+(\S+)", ptx).group(1))
 
@@ -222,6 +256,21 @@ def _listed_cases() -> list[tuple[str, int, str, dict]]:
 CASES = _listed_cases()
 
 
+def every_case_and_arch(test):
+    """Parametrize a test over (module, index, description, options) x arch."""
+    test = pytest.mark.parametrize("module,index,description,options", CASES,
+                                   ids=[f"{m}:{i}:{d}" for m, i, d, _ in CASES])(test)
+    return pytest.mark.parametrize("arch", [f"sm_{a}" for a in ARCHS])(test)
+
+
+def compiled(report, module, index, arch, description) -> dict:
+    """The worker's result for one case and arch; fails the test if the compile failed."""
+    r = report["results"].get(f"{module}:{index}:{arch}")
+    assert r is not None, f"no compile result for {module}:{index}:{arch}"
+    assert r["ok"], f"triton.compile failed for {module} case {index} ({description}) on {arch}:\n{r.get('error')}"
+    return r
+
+
 @pytest.fixture(scope="module")
 def report():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -249,20 +298,17 @@ def test_every_kernel_has_codegen_cases(report):
                       f"description[, options]) tuples to the module, see tests/test_codegen.py): {gaps}")
 
 
-@pytest.mark.parametrize("arch", [f"sm_{a}" for a in ARCHS])
-@pytest.mark.parametrize("module,index,description,options",
-                         CASES, ids=[f"{m}:{i}:{d}" for m, i, d, _ in CASES])
+@every_case_and_arch
 def test_codegen(report, module, index, description, options, arch):
-    r = report["results"].get(f"{module}:{index}:{arch}")
-    assert r is not None, f"no compile result for {module}:{index}:{arch}"
-    assert r["ok"], f"triton.compile failed for {module} case {index} ({description}) on {arch}:\n{r.get('error')}"
+    r = compiled(report, module, index, arch, description)
     p = r["ptxas"]
     widths = {op: {int(b): n for b, n in d.items()} for op, d in r["widths"].items()}
     wide_ld = sum(n for b, n in widths["ld"].items() if b >= 128)
     wide_st = sum(n for b, n in widths["st"].items() if b >= 128)
     print(f"\n{module}:{index} {description} [{r['target']}] regs={p['regs']} stack={p['stack']}B "
           f"spills st/ld={p['spill_stores']}/{p['spill_loads']}B shared={r['shared']}B "
-          f"ld bits:count={dict(sorted(widths['ld'].items()))} st={dict(sorted(widths['st'].items()))}")
+          f"ld bits:count={dict(sorted(widths['ld'].items()))} st={dict(sorted(widths['st'].items()))} "
+          f"fp_fusion={r['fp_fusion']} ieee={r['ieee']}")
     assert p["returncode"] == 0, f"ptxas failed:\n{p['log']}"
     assert p["spill_stores"] is not None, f"could not parse ptxas -v output:\n{p['log']}"
     assert p["spill_stores"] == 0 and p["spill_loads"] == 0, (
@@ -274,6 +320,50 @@ def test_codegen(report, module, index, description, options, arch):
             f"{description} on {arch}: {wide_ld} 128-bit global loads (need {need_ld}) and {wide_st} "
             f"128-bit stores (need {need_st}); access widths in bits: loads {widths['ld']}, "
             f"stores {widths['st']}. Are the pointers hinted 16-byte aligned and the block unmasked?")
+
+
+@every_case_and_arch
+def test_codegen_ieee_numerics(report, module, index, description, options, arch):
+    """The interpreter's bits are the GPU's bits ([Note: IEEE numerics in the PTX])."""
+    r = compiled(report, module, index, arch, description)
+    bad = {k: n for k, n in r["ieee"].items() if n and k != "max.NaN"}
+    assert not bad, (f"{description} on {arch}: non-IEEE instructions in the PTX {bad} (fp_fusion="
+                     f"{r['fp_fusion']}); launch with enable_fp_fusion=False and use tl.div_rn / "
+                     f"tl.sqrt_rn / tl.maximum(..., propagate_nan=tl.PropagateNan.ALL)")
+
+
+@every_case_and_arch
+def test_codegen_no_shared_memory(report, module, index, description, options, arch):
+    """Streaming kernels need no shared memory: any is a layout conversion (a register round trip
+    through shared memory between loads and stores of different widths)."""
+    r = compiled(report, module, index, arch, description)
+    assert r["shared"] == 0, (f"{description} on {arch} uses {r['shared']} B of shared memory: give "
+                              f"every load and store the same elements per thread")
+
+
+def test_every_case_streams():
+    """Every launch of every kernel can use 128-bit accesses: alignment is decided per tensor inside
+    the kernel, so there is no 'unaligned' variant compiled to scalar code only."""
+    scalar_only = [f"{m}:{i}:{d}" for m, i, d, o in CASES if not o.get("streaming", True)]
+    assert not scalar_only, f"variants compiled without 128-bit accesses: {scalar_only}"
+
+
+def test_ieee_parser():
+    """What counts as non-IEEE (no compile involved); negative control for the PTX checks."""
+    ptx = """
+        .visible .entry k(  // fma.rn.f32 in a comment is ignored
+        fma.rn.f32 %f3, %f1, %f2, %f0;
+        div.full.f32 %f4, %f1, %f2;
+        sqrt.approx.ftz.f32 %f5, %f4;
+        max.f32 %f6, %f5, %f4;
+        max.NaN.f32 %f7, %f5, %f4;
+        div.rn.f32 %f8, %f1, %f2;
+        sqrt.rn.f32 %f9, %f8;
+        mad.lo.s32 %r1, %r2, %r3, %r4;
+        max.s32 %r5, %r1, %r2;
+    """
+    assert ptx_ieee_counts(ptx) == {"fma": 1, "approx": 1, "div.full": 1, "ftz": 1,
+                                    "max/min without NaN": 1, "max.NaN": 1}
 
 
 def test_widths_parser():

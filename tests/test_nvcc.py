@@ -134,11 +134,14 @@ def compiles():
         cmd = [NVCC, "-c", *flags, "-Xptxas", "-v", "-DZK_WITH_CUDA=1", f"-I{CSRC}",
                *[f"-I{p}" for p in torch_inc], cu, "-o", os.path.join(tmp, os.path.basename(cu) + ".o")]
         jobs[os.path.basename(cu)] = cmd
+    keep_dirs = {}   # label -> nvcc -keep directory: its PTX is checked by test_kernel_ptx_is_ieee
     for cuh in CUH_FILES:
         tu = _kernel_only_tu(tmp, cuh)
-        cmd = [NVCC, "-c", *flags, "-Xptxas", "-v", f"-I{CSRC}", tu,
-               "-o", os.path.join(tmp, os.path.basename(cuh) + ".o")]
-        jobs[os.path.basename(cuh) + " (without torch)"] = cmd
+        label = os.path.basename(cuh) + " (without torch)"
+        keep_dirs[label] = os.path.join(tmp, os.path.basename(cuh) + ".keep")
+        os.makedirs(keep_dirs[label])
+        jobs[label] = [NVCC, "-c", *flags, "-Xptxas", "-v", "-keep", f"-keep-dir={keep_dirs[label]}",
+                       f"-I{CSRC}", tu, "-o", os.path.join(tmp, os.path.basename(cuh) + ".o")]
     started = {k: (subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
                    time.time()) for k, c in jobs.items()}
     results = {}
@@ -150,6 +153,10 @@ def compiles():
             out, _ = proc.communicate()
             out = f"TIMEOUT after {TIMEOUT_S}s\n{out}"
         results[k] = (proc.returncode, out, time.time() - t0, " ".join(jobs[k]))
+        for ptx in glob.glob(os.path.join(keep_dirs[k], "*.compute_*.ptx")) if k in keep_dirs else ():
+            arch = re.search(r"\.compute_(\d+)\.ptx$", ptx).group(1)
+            with open(ptx) as f:
+                results[f"{k} PTX sm_{arch}"] = (proc.returncode, f.read(), 0.0, " ".join(jobs[k]))
     yield results
     shutil.rmtree(tmp, ignore_errors=True)
 
@@ -188,3 +195,21 @@ def test_cu_compiles_without_spills(name, compiles):
 def test_kernel_header_compiles_without_torch(name, compiles):
     """The kernels alone, every template combination, no torch headers at all."""
     _check(name + " (without torch)", compiles)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", [os.path.basename(p) for p in CUH_FILES])
+def test_kernel_ptx_is_ieee(name, arch, compiles):
+    """The CUDA kernels' PTX follows the Triton kernels' rule ([Note: IEEE numerics in the PTX] in
+    tests/test_codegen.py, same checker): no fma, approximate or flush-to-zero fp32 instruction, and
+    the amsgrad max propagates NaN (max.NaN.f32), under the build's flags."""
+    from test_codegen import ptx_ieee_counts
+    label = f"{name} (without torch)"
+    assert compiles[label][0] == 0, f"nvcc failed on {label}: see test_kernel_header_compiles_without_torch"
+    ptx = compiles.get(f"{label} PTX sm_{arch}", (None, ""))[1]
+    assert ptx, f"nvcc -keep left no compute_{arch} PTX for {label}"
+    counts = ptx_ieee_counts(ptx)
+    print(f"\n{name} sm_{arch}: {counts}")
+    bad = {k: n for k, n in counts.items() if n and k != "max.NaN"}
+    assert not bad, f"{name} sm_{arch}: non-IEEE instructions in the PTX: {bad}"
+    assert counts["max.NaN"] > 0, f"{name} sm_{arch}: no NaN-propagating max (amsgrad) in the PTX"

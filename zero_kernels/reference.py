@@ -29,6 +29,22 @@ Per element, with g the gradient read in fp32 (math in fp32 throughout, one cast
     p = p - step_size * m / (sqrt(v) / bc2_sqrt + eps)
     p16 = round_to_nearest_even(p)           (if params16 is given)
 
+[Note: coefficients are computed once, in double]
+Every scalar of the update is computed once, outside the element loop, by one definition:
+step_size, bc2_sqrt and decay by :func:`compute_coeffs` (in double from CPU steps and a float lr;
+in fp32 on the device for capturable steps, the same expression), 1 - beta1 and 1 - beta2 by
+:func:`moment_coeffs` (double), and the grad scale by the caller (a tensor). Kernels receive them
+rounded once to fp32, exactly as torch rounds a Python float operand, and compute no coefficient
+themselves (``1.0 - beta`` in an fp32 kernel is off by 1.7e-4 relative at beta2 = 0.9999). The
+betas stay Python floats in the contract: each backend wrapper derives (1 - beta1, 1 - beta2) from
+them in double (``moment_coeffs`` in Python, ``1.0 - beta`` on C++ doubles), so the signature above
+is unchanged. Element-wise, every backend then performs the listed operations in the listed order,
+each rounded once to fp32 (no contracted multiply-add, IEEE division and square root, subnormals
+kept, a NaN-propagating max; the reference's own square root is :func:`sqrt_rn`, because torch's
+CPU ``sqrt`` is not correctly rounded): the interpreter, the compiled Triton kernel, the CPU and the CUDA
+kernels and this reference agree bit for bit (tests/test_numerics.py; the PTX is checked by
+tests/test_codegen.py).
+
 Bytes moved per element (the GB/s denominators used by every benchmark):
     fp32 grad, no 16-bit copy:  read p, m, v, g (16) + write p, m, v (12) = 28 B
     16-bit grad + 16-bit param: read p, m, v (12) + g (2) + write p, m, v (12) + p16 (2) = 28 B
@@ -39,7 +55,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["fused_adam_ref", "compute_coeffs", "bytes_per_element"]
+__all__ = ["fused_adam_ref", "compute_coeffs", "moment_coeffs", "sqrt_rn", "bytes_per_element"]
 
 
 def bytes_per_element(grad_dtype: torch.dtype, param16_dtype: torch.dtype | None, amsgrad: bool = False) -> int:
@@ -58,13 +74,40 @@ def compute_coeffs(steps: list[Tensor] | Tensor, lr: float | Tensor, beta1: floa
     """
     s = steps if isinstance(steps, Tensor) else torch.stack([t.reshape(()) for t in steps])
     s = s.to(torch.float64 if s.device.type == "cpu" else torch.float32)
-    lr_t = lr.to(s.device, s.dtype) if isinstance(lr, Tensor) else torch.tensor(lr, dtype=s.dtype, device=s.device)
-    bc1 = 1 - torch.pow(torch.tensor(beta1, dtype=s.dtype, device=s.device), s)
-    bc2 = 1 - torch.pow(torch.tensor(beta2, dtype=s.dtype, device=s.device), s)
+    # Python-float operands (never torch.tensor(x, device=...)): a host->device copy would block the
+    # host and cannot be captured in a CUDA graph.
+    lr_t = lr.to(s.device, s.dtype).reshape(()) if isinstance(lr, Tensor) else float(lr)
+    bc1 = 1 - torch.pow(float(beta1), s)
+    bc2 = 1 - torch.pow(float(beta2), s)
     step_size = lr_t / bc1
-    decay = (1 - lr_t * weight_decay) if adamw else torch.ones((), dtype=s.dtype, device=s.device)
-    out = torch.stack([step_size, bc2.sqrt(), decay.expand_as(step_size)], dim=1).to(torch.float32)
+    if not adamw:
+        decay = torch.ones_like(step_size)
+    elif isinstance(lr_t, Tensor):
+        decay = (1 - lr_t * weight_decay).expand_as(step_size)
+    else:
+        decay = torch.full_like(step_size, 1 - lr_t * weight_decay)
+    out = torch.stack([step_size, bc2.sqrt(), decay], dim=1).to(torch.float32)
     return out if device is None else out.to(device, non_blocking=True)
+
+
+def sqrt_rn(x: Tensor) -> Tensor:
+    """fp32 square root, correctly rounded (IEEE), on every device.
+
+    torch's CPU ``sqrt`` is not (its vectorized fp32 path is off by 1 ulp on ~20% of inputs; the
+    CUDA one is exact). Rounded once from fp64 it is: a double square root carries 53 >= 2 x 24 + 2
+    bits, so rounding it to fp32 gives the correctly rounded fp32 result.
+    """
+    return x.double().sqrt().float()
+
+
+def moment_coeffs(beta1: float, beta2: float) -> tuple[float, float]:
+    """(1 - beta1, 1 - beta2) in double: the scalars the update multiplies by.
+
+    torch rounds a Python float operand to fp32 when it multiplies an fp32 tensor, so every backend
+    passes these doubles, rounded once to fp32, and never subtracts in fp32 itself ([Note:
+    coefficients are computed once, in double]).
+    """
+    return 1.0 - float(beta1), 1.0 - float(beta2)
 
 
 def fused_adam_ref(
@@ -77,6 +120,7 @@ def fused_adam_ref(
     math runs in fp32 and results are cast back once (that is how ``master_weights=False`` with
     16-bit parameters keeps 16-bit states)."""
     skip = None if found_inf is None else (found_inf.reshape(()) != 0)
+    one_minus_beta1, one_minus_beta2 = moment_coeffs(beta1, beta2)
     for i, (p, g, m, v) in enumerate(zip(masters, grads, exp_avgs, exp_avg_sqs)):
         step_size, bc2_sqrt, decay = coeffs[i, 0], coeffs[i, 1], coeffs[i, 2]
         pf, gf, mf, vf = p.float(), g.float(), m.float(), v.float()
@@ -88,15 +132,15 @@ def fused_adam_ref(
             gf = gf + weight_decay * pf
         if adamw:
             pf = pf * decay
-        mf = mf + (1 - beta1) * (gf - mf)
-        vf = beta2 * vf + (1 - beta2) * gf * gf
+        mf = mf + one_minus_beta1 * (gf - mf)
+        vf = beta2 * vf + one_minus_beta2 * gf * gf
         denom_v = vf
         new = [mf, vf]
         if max_exp_avg_sqs is not None:
             vmax = torch.maximum(max_exp_avg_sqs[i].float(), vf)
             denom_v = vmax
             new.append(vmax)
-        pf = pf - step_size * mf / (denom_v.sqrt() / bc2_sqrt + eps)
+        pf = pf - step_size * mf / (sqrt_rn(denom_v) / bc2_sqrt + eps)
         outs = [p, m, v] + ([max_exp_avg_sqs[i]] if max_exp_avg_sqs is not None else [])
         vals = [pf] + new
         if params16 is not None:
