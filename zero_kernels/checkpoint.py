@@ -62,6 +62,8 @@ from typing import Any, Callable
 
 import torch
 
+from .layout import Layout, dtype_from_name, dtype_name
+
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "inspect", "resolve", "read_metadata",
            "CheckpointError", "FORMAT", "FORMAT_VERSION"]
 
@@ -169,7 +171,6 @@ def _owned16(b) -> torch.Tensor | None:
 
 
 def _metadata(opt, version_dir_name: str) -> dict:
-    from .zero.layout import dtype_name
     lay = opt.layout
     groups = []
     for g in opt.param_groups:
@@ -180,10 +181,10 @@ def _metadata(opt, version_dir_name: str) -> dict:
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "version_dir": version_dir_name,
         "torch_version": torch.__version__, "stage": int(opt.stage), "world_size": int(opt.world_size),
-        "psi": int(lay.numel), "optimizer": "AdamW" if opt._adamw else "Adam",
+        "psi": int(lay.numel), "optimizer": "AdamW" if opt.adamw else "Adam",
         "layout_fingerprint": lay.fingerprint(), "layout": lay.to_dict(),
         "params": [{"name": p.name, "aliases": list(p.aliases), "shape": list(p.shape), "dtype": p.dtype,
-                    "group": p.group, "step": int(opt._steps[p.index])} for p in lay.params],
+                    "group": p.group, "step": int(opt.steps[p.index])} for p in lay.params],
         "param_groups": groups,
         "amsgrad_state": any(b.amsgrad for b in opt.buckets),
         "loss_scaler": None if getattr(opt, "loss_scaler", None) is None else opt.loss_scaler.state_dict(),
@@ -204,7 +205,7 @@ def _shard_tensors(opt) -> dict[str, torch.Tensor]:
         p16 = _owned16(b)
         if p16 is not None:
             out[f"b{b.index}.params16"] = p16.detach().contiguous()
-    out["steps"] = torch.tensor(opt._steps, dtype=torch.int64)
+    out["steps"] = torch.tensor(opt.steps, dtype=torch.int64)
     return out
 
 
@@ -416,7 +417,6 @@ def _name_index(layout) -> dict:
 
 def _check_fit(opt, meta: dict, meta_path: str) -> None:
     """Parameter names, shapes, groups and optimizer kind must match the loader's model."""
-    from .zero.layout import Layout
     saved = Layout.from_dict(meta["layout"])
     by_name = _name_index(saved)
     mine = opt.layout
@@ -439,7 +439,7 @@ def _check_fit(opt, meta: dict, meta_path: str) -> None:
     if len(meta["param_groups"]) != len(opt.param_groups):
         raise CheckpointError(f"{meta_path}: {len(meta['param_groups'])} param groups in the checkpoint, "
                               f"{len(opt.param_groups)} here")
-    kind = "AdamW" if opt._adamw else "Adam"
+    kind = "AdamW" if opt.adamw else "Adam"
     if meta["optimizer"] != kind:
         raise CheckpointError(f"{meta_path}: saved by Zero{meta['optimizer']}, loading into Zero{kind}")
     have_ams = any(b.amsgrad for b in opt.buckets)
@@ -453,8 +453,6 @@ def load_checkpoint(opt, path, verify: bool = False) -> None:
     """Collective. Load a checkpoint saved at any world size/stage/bucket size into ``opt``
     (see [Note: resharding]). Nothing changes unless every rank read and checked everything.
     ``verify=True`` also checks the sha256 of the files this rank reads."""
-    from .zero import collectives as C
-    from .zero.layout import Layout, dtype_from_name
     err = None
     staged = None
     try:
@@ -479,7 +477,7 @@ def load_checkpoint(opt, path, verify: bool = False) -> None:
             _owned16(b).copy_(new16[b.index])
     by_name = {p["name"]: p for p in meta["params"]}
     alias = {a: p for p in meta["params"] for a in p["aliases"]}
-    opt._steps = [int((by_name.get(p.name) or next(alias[a] for a in (p.name,) + p.aliases if a in alias))["step"])
+    opt.steps = [int((by_name.get(p.name) or next(alias[a] for a in (p.name,) + p.aliases if a in alias))["step"])
                   for p in opt.layout.params]
     for g, saved in zip(opt.param_groups, meta["param_groups"]):
         for k, v in saved.items():
@@ -492,12 +490,7 @@ def load_checkpoint(opt, path, verify: bool = False) -> None:
     for k, v in rest.items():
         msd[k].copy_(v)
     shards.close()
-    s3 = getattr(opt, "_s3", None)
-    if s3 is not None:                  # stage 3: the next forward gathers from the new shards
-        s3.after_step()
-    else:
-        for b in opt.buckets:
-            C.wait(C.all_gather_bucket(b.param_flat, opt.rank, opt.process_group, async_op=False))
+    opt.refresh_params()                # stages 1-2 all-gather; stage 3: the next forward gathers
 
 
 def _stage_load(opt, path, verify, Layout, dtype_from_name):
@@ -584,7 +577,6 @@ def consolidate(path, out: str | None = None, verify: bool = True) -> dict:
     tensor, frozen parameters and floating buffers as fp32), "optimizer": torch optimizer state
     dict whose parameter indices follow, group by group, the module's registration order of
     trainable parameters (``param_names`` lists them), "param_names", "metadata"}."""
-    from .zero.layout import Layout
     vdir = resolve(path)
     marker, meta = read_metadata(vdir)
     if verify:

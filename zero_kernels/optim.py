@@ -14,30 +14,13 @@ import torch
 from torch import Tensor
 
 from . import backends
+from .hparams import validate_hparams as _validate_hparams
 from .reference import compute_coeffs, fused_adam_ref
 
 __all__ = ["FusedAdam", "FusedAdamW"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _FP32_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
-
-
-def _validate_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
-    """torch.optim.Adam's checks and messages (NaN fails them too: NaN compares False)."""
-    if isinstance(lr, Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element")
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    if not 0.0 <= betas[0] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= betas[1] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
 def _local(t: Tensor | None) -> Tensor | None:
