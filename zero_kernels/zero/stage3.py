@@ -116,7 +116,7 @@ class Stage3(HookReduced):
     def full_flat(self, b: FlatBucket) -> Tensor:
         flat = torch.empty(b.spec.padded_numel, dtype=torch.float32, device=b.device)
         flat[b.slice_start:b.slice_end].copy_(b.master)
-        C.wait(C.all_gather_bucket(flat, self._ctx.rank, self._ctx.group, async_op=False))
+        C.wait(C.all_gather_bucket(flat, self.ctx.rank, self.ctx.group, async_op=False))
         return flat
 
     @contextlib.contextmanager
@@ -130,10 +130,10 @@ class Stage3(HookReduced):
 
     # ---- introspection -----------------------------------------------------------------------------
     def memory_report(self) -> dict[str, Any]:
-        bs, rt = self._ctx.buckets, self.runtime
+        bs, rt = self.ctx.buckets, self.runtime
         rep = state_report(bs, sum(nbytes(b.shard) + b.held_bytes() for b in bs))
         rep["grads"] += sum(nbytes(p.grad) for b in bs for p in b.params)
-        rep = self._ctx.report(rep, 3, self.reducer.pool_bytes())
+        rep = self.ctx.report(rep, 3, self.reducer.pool_bytes())
         # freed gathered buffers kept for reuse (process-wide; ZeroAdamW.empty_cache() releases them)
         rep["gather_cache"] = gather_cache_stats()["cached_bytes"]
         rep["gathered_params"] = sum(b.held_bytes() for b in bs)

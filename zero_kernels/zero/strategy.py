@@ -159,10 +159,10 @@ class HookReduced:
         self.reducer = reducer_cls(ctx.buckets, ctx.group, ctx.config.reduce_dtype, ctx.config.overlap_comm,
                                    self.mark_grad, pool_keep=2, timeout=ctx.config.timeout, **reducer_kwargs)
         self.reducer.register()
-        self._ctx = ctx
+        self.ctx = ctx
 
     def mark_grad(self, bucket: int, li: int) -> None:
-        i = self._ctx.layout.buckets[bucket].params[li]
+        i = self.ctx.layout.buckets[bucket].params[li]
         self.had_grad[i] = 1
         self.arrived_step[i] = 1
 
@@ -194,12 +194,12 @@ class HookReduced:
         """One all-reduce carries had-a-grad, arrived-this-step and late-bucket flags; then the
         late gradients are reduced and next step's expected set is updated (hooks.py, 4)."""
         n, r = len(self.had_grad), self.reducer
-        flags = C.flag_tensor(self.had_grad + self.arrived_step + [int(x) for x in r.late], self._ctx.group)
-        C.all_reduce_tensor(flags, op=dist.ReduceOp.MAX, group=self._ctx.group)
+        flags = C.flag_tensor(self.had_grad + self.arrived_step + [int(x) for x in r.late], self.ctx.group)
+        C.all_reduce_tensor(flags, op=dist.ReduceOp.MAX, group=self.ctx.group)
         flags = flags.cpu()
         active, arrived, late = flags[:n], flags[n:2 * n], flags[2 * n:]
         if bool(arrived.any()):
-            r.set_expected([[bool(arrived[i]) for i in b.spec.params] for b in self._ctx.buckets])
+            r.set_expected([[bool(arrived[i]) for i in b.spec.params] for b in self.ctx.buckets])
         self.arrived_step = [0] * n
         r.reduce_late(late.tolist())
         return active
