@@ -28,53 +28,36 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
+import torch  # noqa: E402
+
+from _harness import (WaitTimer, loadavg, make_mlp, median_ms, minflt, ratio, rss_mb,  # noqa: E402
+                      spawn_pair, states_bytes)
+from zero_kernels.zero import collectives as C  # noqa: E402
 
 # zero1: .grad as bucket views; zero1_copy: flatten copies; zero2_nooverlap: overlap_comm=False;
 # *_opg: overlap_param_gather=True (the all-gathers finish in the next forward's module pre-hooks)
 VARIANTS = ["ddp", "zero_ro", "zero1", "zero1_opg", "zero1_copy", "zero2", "zero2_opg", "zero2_nooverlap"]
 
 
-def make_model():
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(4):
-        layers += [nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)]
-    return nn.Sequential(*layers)
-
-
-def _minflt() -> int:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def rss_mb():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 class Runner:
     """One variant: its own model copy and optimizer; ``iteration()`` times one training step."""
 
-    def __init__(self, variant, rank, batch, waited):
+    def __init__(self, variant, rank, batch, timer):
         import zero_kernels as zk
         self.variant = variant
         variant, *opts = variant.split("+")          # e.g. zero2:p2p+pool=0+inflight=8
         base, _, self.mode = variant.partition(":")
         self.mode = self.mode or "p2p"
-        self.model = model = make_model()
+        self.model = model = make_mlp()
         self.psi = sum(p.numel() for p in model.parameters())
         g = torch.Generator().manual_seed(rank)
         self.x = torch.randn(batch, 1024, generator=g)
         self.y = torch.randn(batch, 1024, generator=g)
-        self.waited = waited
+        self.timer = timer
         self.ddp = None
         self.set_to_none = True
         if base == "ddp":
@@ -92,19 +75,17 @@ class Runner:
             self.opt = zk.ZeroAdamW(model, stage=stage, lr=1e-4, overlap_comm=base != "zero2_nooverlap",
                                     overlap_param_gather=base.endswith("_opg"))
             self.net = model
-            for o in opts:                            # stage-2 reducer knobs (hooks.py)
-                k, _, val = o.partition("=")
-                setattr(self.opt._reducer, {"pool": "pool_keep", "inflight": "max_inflight"}[k], int(val))
+            if opts:
+                raise ValueError(f"{variant}: reducer knobs (+pool=, +inflight=) are no longer settable")
         self.loss_fn = nn.MSELoss()
         self.t_step, self.t_fb, self.t_opt, self.t_exp = [], [], [], []
         self.faults = []                              # minor page faults per iteration (rank-local)
 
     def iteration(self, record: bool):
-        from zero_kernels.zero import collectives as C
         C.GLOO_MODE = self.mode
         dist.barrier()
-        self.waited[0] = 0.0
-        f0 = _minflt()
+        self.timer.waited = 0.0
+        f0 = minflt()
         t0 = time.perf_counter()
         self.loss_fn(self.net(self.x), self.y).backward()
         t1 = time.perf_counter()
@@ -112,8 +93,8 @@ class Runner:
         t2 = time.perf_counter()
         self.opt.zero_grad(set_to_none=self.set_to_none)
         t3 = time.perf_counter()
-        f1 = _minflt()
-        exposed = self.waited[0]
+        f1 = minflt()
+        exposed = self.timer.waited
         if self.ddp is not None and record:
             dist.barrier()
             with self.ddp.no_sync():
@@ -131,33 +112,17 @@ class Runner:
 
     def states(self):
         """Model-state bytes after a step (call after step(), before zero_grad)."""
-        opt, psi = self.opt, self.psi
+        opt = self.opt
         if hasattr(opt, "memory_report"):
             return opt.memory_report()["total"], opt.backend
-        states = psi * 4 * 2   # params + grads
-        if self.ddp is not None and not hasattr(opt, "optim"):
-            return states + psi * 8, "torch fused"
-        owned = sum(p.numel() for p in opt.optim.param_groups[0]["params"])
-        return states + owned * 8, "torch"
-
-
-def _install_wait_timer():
-    from zero_kernels.zero import collectives as C
-    waited = [0.0]
-    orig_wait = C.wait
-
-    def timed_wait(res):
-        t = time.perf_counter()
-        out = orig_wait(res)
-        waited[0] += time.perf_counter() - t
-        return out
-    C.wait = timed_wait
-    return waited
+        if not hasattr(opt, "optim"):                  # DDP + torch fused AdamW
+            return states_bytes(self.psi, dist.get_world_size(), 0), "torch fused"
+        return states_bytes(self.psi, dist.get_world_size(), 1), "torch"
 
 
 def timing_worker(rank, world, variants, rounds, warmup, batch, out_q):
-    waited = _install_wait_timer()
-    runners = [Runner(v, rank, batch, waited) for v in variants]
+    timer = WaitTimer()
+    runners = [Runner(v, rank, batch, timer) for v in variants]
     for r in range(warmup + rounds):
         k = r % len(runners)
         for run in runners[k:] + runners[:k]:          # rotate the order every round
@@ -176,43 +141,18 @@ def timing_worker(rank, world, variants, rounds, warmup, batch, out_q):
 
 
 def rss_worker(rank, world, variant, batch, out_q):
-    waited = _install_wait_timer()
-    run = Runner(variant, rank, batch, waited)
+    run = Runner(variant, rank, batch, WaitTimer())
     for _ in range(3):
         run.iteration(record=False)
     if rank == 0:
         out_q.put(rss_mb())
 
 
-def _entry(rank, world, port, fn, args, q):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args, q)
-    finally:
-        dist.destroy_process_group()
-
-
 def _spawn(fn, args):
-    import torch.multiprocessing as mp
-    from _dist import free_port
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    port = free_port()
-    ps = [ctx.Process(target=_entry, args=(r, 2, port, fn, args, q)) for r in range(2)]
-    for p in ps:
-        p.start()
-    for p in ps:
-        p.join()
-    if any(p.exitcode != 0 for p in ps):
+    res = spawn_pair(fn, args)
+    if res is None:
         raise RuntimeError(f"{fn.__name__}{args[:1]}: a worker failed")
-    return q.get()
-
-
-def _ratio(num, den):
-    return statistics.median(a / b for a, b in zip(num, den))
+    return res
 
 
 def main():
@@ -224,11 +164,9 @@ def main():
     ap.add_argument("--no-rss", action="store_true")
     a = ap.parse_args()
     variants = a.variants.split(",")
-    with open("/proc/loadavg") as f:
-        load0 = f.read().split()[:3]
+    load0 = loadavg()
     res = _spawn(timing_worker, (variants, a.rounds, a.warmup, a.batch))
-    with open("/proc/loadavg") as f:
-        load1 = f.read().split()[:3]
+    load1 = loadavg()
     rss = {}
     if not a.no_rss:
         for v in variants:
@@ -237,18 +175,18 @@ def main():
     med = statistics.median
     psi = next(iter(res.values()))["psi"]
     print(f"\n`python {' '.join(sys.argv)}`: 2 gloo ranks x 1 thread, {psi / 1e6:.1f}M params, batch {a.batch}, "
-          f"{a.rounds} interleaved rounds after {a.warmup} warm-up; load average before {' '.join(load0)}, "
-          f"after {' '.join(load1)}\n")
+          f"{a.rounds} interleaved rounds after {a.warmup} warm-up; load average before {load0}, "
+          f"after {load1}\n")
     print("| variant | optimizer backend | step ms | vs DDP | vs ZeRO-RO | fwd+bwd ms | opt ms | exposed comm ms "
           "| faults/iter | RSS MB | states MB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for v in variants:
         r = res[v]
-        vd = f"{_ratio(r['step'], res['ddp']['step']):.2f}x" if "ddp" in res else "-"
-        vz = f"{_ratio(r['step'], res['zero_ro']['step']):.2f}x" if "zero_ro" in res else "-"
+        vd = f"{ratio(r['step'], res['ddp']['step']):.2f}x" if "ddp" in res else "-"
+        vz = f"{ratio(r['step'], res['zero_ro']['step']):.2f}x" if "zero_ro" in res else "-"
         rs = f"{rss[v]:.0f}" if v in rss else "-"
-        print(f"| {v} | {r['backend']} | {med(r['step']) * 1e3:.0f} | {vd} | {vz} | {med(r['fb']) * 1e3:.0f} | "
-              f"{med(r['opt']) * 1e3:.0f} | {med(r['exposed']) * 1e3:.0f} | {med(r['faults']):.0f} | {rs} | "
+        print(f"| {v} | {r['backend']} | {median_ms(r['step']):.0f} | {vd} | {vz} | {median_ms(r['fb']):.0f} | "
+              f"{median_ms(r['opt']):.0f} | {median_ms(r['exposed']):.0f} | {med(r['faults']):.0f} | {rs} | "
               f"{r['states']:.0f} |")
     print("\nratios: median over rounds of (variant step / reference step) in the same round. Targets: "
           "ZeRO-2 <= 1.0x DDP; ZeRO-1 <= 0.9x ZeRO-RO (defaults: zero1/zero2; with overlap_param_gather: *_opg).")

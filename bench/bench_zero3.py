@@ -29,33 +29,21 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
+from _harness import WaitTimer, loadavg, make_mlp, rss_mb, spawn_pair, states_bytes  # noqa: E402
+
 # zero3_pK: prefetch K with the gather cache (default); zero3_pK_nocache: gather_cache=False
 VARIANTS = ["fsdp2", "zero2", "zero3_p0", "zero3_p1", "zero3_p2", "zero3_p1_nocache"]
 
 
-def make_model():
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024))
-                           for _ in range(4)])
-
-
-def rss_mb():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def local_compute_ms(batch, steps):
     """The same iteration without communication (one process, plain model, torch AdamW)."""
-    model = make_model()
+    model = make_mlp(blocks=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     x, y = torch.randn(batch, 1024), torch.randn(batch, 1024)
     ts = []
@@ -71,21 +59,12 @@ def local_compute_ms(batch, steps):
 
 def worker(rank, world, variant, steps, warmup, batch, out_q):
     import zero_kernels as zk
-    from zero_kernels.zero import collectives as C
-    model = make_model()
+    model = make_mlp(blocks=True)
     psi = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(batch, 1024, generator=g)
     y = torch.randn(batch, 1024, generator=g)
-    waited = [0.0]
-    orig_wait = C.wait
-
-    def timed_wait(res):
-        t = time.perf_counter()
-        out = orig_wait(res)
-        waited[0] += time.perf_counter() - t
-        return out
-    C.wait = timed_wait
+    timer = WaitTimer()
     zopt = None
     if variant == "fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -103,7 +82,7 @@ def worker(rank, world, variant, steps, warmup, batch, out_q):
     t_step, t_fb, t_opt, t_wait = [], [], [], []
     for it in range(warmup + steps):
         dist.barrier()
-        waited[0] = 0.0
+        timer.waited = 0.0
         t0 = time.perf_counter()
         loss_fn(model(x), y).backward()
         t1 = time.perf_counter()
@@ -115,9 +94,9 @@ def worker(rank, world, variant, steps, warmup, batch, out_q):
             t_step.append(t3 - t0)
             t_fb.append(t1 - t0)
             t_opt.append(t2 - t1)
-            t_wait.append(waited[0])
+            t_wait.append(timer.waited)
     if zopt is not None and zopt.stage == 3:
-        zopt._s3.reset_peak()
+        zopt.reset_peak_memory()
     loss_fn(model(x), y).backward()
     opt.step()
     peak = float("nan")
@@ -127,8 +106,7 @@ def worker(rank, world, variant, steps, warmup, batch, out_q):
         if zopt.stage == 3:
             peak = rep["peak_gathered_params"] / 2**20
     else:
-        local = sum(p.to_local().numel() for p in model.parameters())
-        states = local * 4 * 2 + local * 8
+        states = states_bytes(psi, world, 3)            # FSDP2: every state sharded
     rss = rss_mb()
     opt.zero_grad()
     dist.barrier()
@@ -139,17 +117,6 @@ def worker(rank, world, variant, steps, warmup, batch, out_q):
                states=states / 2**20, psi=psi, local=local_ms, peak=peak)
     if rank == 0:
         out_q.put(res)
-
-
-def _entry(rank, world, port, args, q):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        worker(rank, world, *args, q)
-    finally:
-        dist.destroy_process_group()
 
 
 def main():
@@ -167,25 +134,15 @@ def main():
     if a.malloc_cache:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(2**30)
         os.environ["MALLOC_TRIM_THRESHOLD_"] = str(2**30)
-    import torch.multiprocessing as mp
-    from _dist import free_port
-    ctx = mp.get_context("spawn")
     runs: dict[str, list[dict]] = {}
     variants = list(dict.fromkeys(a.variants.split(",")))
+    load0 = loadavg()
     for rep in range(a.repeats):
         for v in (variants if rep % 2 == 0 else variants[::-1]):      # interleaved, alternating order
-            q = ctx.SimpleQueue()
-            port = free_port()
-            ps = [ctx.Process(target=_entry, args=(r, 2, port, (v, a.steps, a.warmup, a.batch), q))
-                  for r in range(2)]
-            for p in ps:
-                p.start()
-            for p in ps:
-                p.join()
-            if any(p.exitcode != 0 for p in ps):
+            r = spawn_pair(worker, (v, a.steps, a.warmup, a.batch))
+            if r is None:
                 print(f"{v}: failed", file=sys.stderr)
                 continue
-            r = q.get()
             runs.setdefault(v, []).append(r)
             print(f"  [{rep}] {v}: step {r['step']:.0f} ms (local compute {r['local']:.0f} ms)",
                   file=sys.stderr, flush=True)
@@ -204,7 +161,8 @@ def main():
     base = {r["variant"]: r["step"] for r in rows}
     print(f"\n2 gloo ranks x 1 thread, {rows[0]['psi'] / 1e6:.1f}M fp32 params, batch {a.batch}/rank, "
           f"median of {a.steps} steps after {a.warmup} warm-up, median over {a.repeats} interleaved repeats"
-          f"{', malloc cache' if a.malloc_cache else ', default glibc malloc'}\n")
+          f"{', malloc cache' if a.malloc_cache else ', default glibc malloc'}; load average before {load0}, "
+          f"after {loadavg()}\n")
     print("| variant | step ms (runs) | vs FSDP2 | vs ZeRO-2 | fwd+bwd ms | opt ms | waited ms | exposed ms | "
           "RSS MB | states MB | peak gathered MB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

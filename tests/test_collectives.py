@@ -67,3 +67,93 @@ def _worker(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_gloo_p2p_collectives_match_native(world):
     run_world(_worker, world, timeout=120)
+
+
+# ---- [Note: communication device] (issue 10.1) ---------------------------------------------------------
+def test_device_for_backend():
+    """One place decides where collective tensors live: CUDA for NCCL, CPU for gloo/MPI."""
+    assert C.device_for_backend("nccl").type == "cuda"
+    assert C.device_for_backend("NCCL").type == "cuda"
+    assert C.device_for_backend("gloo") == torch.device("cpu")
+    assert C.device_for_backend("mpi") == torch.device("cpu")
+    assert C.device_for_backend("custom", torch.device("meta")) == torch.device("meta")
+    assert C.comm_device(None, torch.device("meta")) == torch.device("meta")    # no process group
+
+
+_TENSOR_CALLS = ("all_reduce", "isend", "irecv", "send", "recv", "broadcast", "all_gather",
+                 "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single")
+
+
+class _Recorder:
+    """Wraps the torch.distributed calls (and collectives' bound aliases) and records the device
+    of every tensor they receive."""
+
+    def __init__(self):
+        self.seen: list[tuple[str, torch.device]] = []
+        self.saved = []
+
+    def _wrap(self, owner, name, label):
+        orig = getattr(owner, name)
+
+        def rec(*args, **kwargs):
+            for a in list(args) + list(kwargs.values()):
+                for t in (a if isinstance(a, (list, tuple)) else [a]):
+                    if isinstance(t, torch.Tensor):
+                        self.seen.append((label, t.device))
+            return orig(*args, **kwargs)
+        self.saved.append((owner, name, orig))
+        setattr(owner, name, rec)
+
+    def __enter__(self):
+        for n in _TENSOR_CALLS:
+            if hasattr(dist, n):
+                self._wrap(dist, n, n)
+        self._wrap(C, "_rs", "reduce_scatter(single)")
+        self._wrap(C, "_ag", "all_gather(single)")
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, orig in reversed(self.saved):
+            setattr(owner, name, orig)
+
+    def wrong(self, want: torch.device):
+        return [(k, d) for k, d in self.seen if d != want]
+
+
+def _device_worker(rank, world):
+    import zero_kernels as zk
+    from torch import nn
+    want = C.device_for_backend(dist.get_backend())
+    rec = _Recorder()
+    rec.seen.append(("self-test", torch.device("meta")))          # the check can fail
+    assert rec.wrong(want) == [("self-test", torch.device("meta"))]
+    rec.seen.clear()
+    with rec:
+        for stage in (1, 2, 3):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(7, 13), nn.ReLU(), nn.Linear(13, 5))
+            opt = zk.ZeroAdamW(model, stage=stage, bucket_size=64, backend="reference", timeout=60,
+                               loss_scale="dynamic" if stage == 2 else None)
+            for s in range(2):
+                x = torch.randn(4, 7, generator=torch.Generator().manual_seed(10 * rank + s))
+                with opt.no_sync() if s == 0 else _nullcontext():
+                    opt.scale_loss(model(x).pow(2).mean()).backward()
+                opt.clip_grad_norm_(1.0)
+                opt.step()
+                opt.zero_grad()
+            opt.full_model_state_dict()
+    kinds = {k for k, _ in rec.seen}
+    assert {"all_reduce", "isend", "irecv"} <= kinds, kinds
+    assert rec.wrong(want) == [], rec.wrong(want)[:5]
+    # Hyper-parameters are part of the cross-rank agreement (issue 13.14).
+    with pytest.raises(ValueError, match="hyper-parameters differ"):
+        zk.ZeroAdamW(nn.Linear(3, 3), lr=1e-3 * (rank + 1), backend="reference")
+
+
+def _nullcontext():
+    import contextlib
+    return contextlib.nullcontext()
+
+
+def test_collectives_get_tensors_on_the_group_device_world2():
+    run_world(_device_worker, 2, timeout=180)

@@ -102,7 +102,7 @@ def check_parity3(cfg, group=None, seed=0):
     assert any(not torch.equal(full[k], init[k]) for k in ("emb.weight", "blocks.0.fc1.weight", "gate"))
     assert not torch.equal(full["blocks.0.fc1.weight"], init["blocks.0.fc1.weight"])
     # Working parameters (gathered) are the masters rounded to their dtype, equal on every rank.
-    with opt._s3.gathered():
+    with opt.gathered():
         for n, p in model.named_parameters():
             if p.requires_grad:
                 assert torch.equal(p.detach(), full[n].to(p.dtype)), n
@@ -187,7 +187,7 @@ def _case_ckpt_shared(mode, prefetch=1, steps=4):
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{mode} {k}: {m}")
         assert not torch.equal(full[k], init[k]), f"{k} did not move"
-    opt._s3.remove()
+    opt.remove_hooks()
 
 
 # ---- prefetch: unit k+1's all-gather is issued before unit k's forward ends ------------------------------
@@ -197,7 +197,7 @@ def _case_prefetch_order():
         model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
         opt = zk.ZeroAdamW(model, stage=3, prefetch=prefetch, backend="reference")
         names = {id(m): i for i, m in enumerate(model)}
-        unit_of_module = {u.module: u.index for u in opt._s3.units}
+        unit_of_module = {m: i for i, (_, m) in enumerate(opt.sharding_units())}
 
         def enter(m, a):
             if C.TRACE is not None:
@@ -247,7 +247,7 @@ def _case_prefetch_order():
                 assert first_ag > first_rs, bwd
         for h in hs:
             h.remove()
-        opt._s3.remove()
+        opt.remove_hooks()
 
 
 # ---- storage release, eval, reshard_after_forward=False -------------------------------------------------------
@@ -306,7 +306,7 @@ def _case_storage_release():
     assert torch.equal(y, y_ref)
     assert trainable_storage_bytes(model) == 0
     assert all(p.grad is None for p in model.parameters())
-    opt._s3.remove()
+    opt.remove_hooks()
     # Negative control: reshard_after_forward=False keeps the units after forward.
     model2 = copy.deepcopy(ref).float()
     opt2 = zk.ZeroAdamW(model2, stage=3, reshard_after_forward=False, backend="reference")
@@ -315,7 +315,7 @@ def _case_storage_release():
     out.pow(2).mean().backward()
     assert trainable_storage_bytes(model2) == 0                       # freed as grads complete
     opt2.step()
-    opt2._s3.remove()
+    opt2.remove_hooks()
 
 
 def _world_cases(rank, world, which):
@@ -404,7 +404,7 @@ def _memory_worker(rank, world, layers):
     # The gather cache holds freed unit buffers for the next gathers (bounded by the working set);
     # empty_cache() gives them back to the system, visibly in RSS.
     cache = rep["gather_cache"]
-    assert 0 < cache <= opt._s3.cache_limit, (cache, opt._s3.cache_limit)
+    assert 0 < cache <= rep["gather_cache_limit"], (cache, rep["gather_cache_limit"])
     opt.empty_cache()
     assert opt.memory_report()["gather_cache"] == 0
     released = grown - (rss() - base)
@@ -413,6 +413,7 @@ def _memory_worker(rank, world, layers):
     dist.barrier()
 
 
+@pytest.mark.perf
 def test_memory_rss_world2():
     # big blocks mmapped: freed memory leaves RSS; torch flatten path (the Triton interpreter is slow
     # on millions of elements and is covered by the parity runs)
@@ -431,8 +432,8 @@ def test_memory_rss_world2():
 
 # ---- the gather cache ([Note: the gather cache], csrc/block_cache.cpp) ------------------------------------
 def _cache_module_or_skip():
-    from zero_kernels.zero.stage3 import _cache_module
-    mod = _cache_module()
+    from zero_kernels.zero.unit_bucket import cache_module
+    mod = cache_module()
     if mod is None:
         if os.environ.get("ZK_REQUIRE_CPU") == "1":
             raise RuntimeError("ZK_REQUIRE_CPU=1 but the C++ extension (gather cache) is unavailable")
@@ -483,7 +484,7 @@ def test_gather_cache_allocator():
 def _case_gather_cache():
     """Cache on and off give bitwise the same training; with the cache the gathers of a step reuse
     blocks (hits), storages are still released between uses, and empty_cache() releases the cache."""
-    from zero_kernels.zero.stage3 import gather_cache_stats
+    from zero_kernels.zero.unit_bucket import gather_cache_stats
     runs = {}
     for cached in (False, True):
         torch.manual_seed(0)
@@ -507,7 +508,7 @@ def _case_gather_cache():
             assert opt.memory_report()["gather_cache"] == 0
         else:
             assert s1["hits"] == s0["hits"] and opt.memory_report()["gather_cache"] == 0
-        with opt._s3.gathered():
+        with opt.gathered():
             runs[cached] = [p.detach().float().clone() for p in model.parameters()]
         assert any(not torch.equal(a.float(), b) for a, b in zip(before, runs[cached])), "params did not move"
     for a, b in zip(runs[False], runs[True]):

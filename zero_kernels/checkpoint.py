@@ -73,6 +73,7 @@ from .checkpoint_format import (FORMAT, FORMAT_VERSION, CheckpointError, Shards,
                                 check_numels, fsync_dir, json_bytes, load_small, new_version, param_names,
                                 prune, read_metadata, resolve, saved_layout, shard_name, versions)
 from .checkpoint_tools import consolidate, inspect
+from .layout import Layout, dtype_from_name, dtype_name
 from .state_keys import keyed_state
 
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "inspect", "resolve", "read_metadata",
@@ -144,7 +145,6 @@ def _owned16(b) -> torch.Tensor | None:
 
 
 def _metadata(opt, version_dir_name: str) -> dict:
-    from .zero.layout import dtype_name
     lay = opt.layout
     groups = []
     for g in opt.param_groups:
@@ -155,10 +155,10 @@ def _metadata(opt, version_dir_name: str) -> dict:
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "version_dir": version_dir_name,
         "torch_version": torch.__version__, "stage": int(opt.stage), "world_size": int(opt.world_size),
-        "psi": int(lay.numel), "optimizer": "AdamW" if opt._adamw else "Adam",
+        "psi": int(lay.numel), "optimizer": "AdamW" if opt.adamw else "Adam",
         "layout_fingerprint": lay.fingerprint(), "layout": lay.to_dict(),
         "params": [{"name": p.name, "aliases": list(p.aliases), "shape": list(p.shape), "dtype": p.dtype,
-                    "group": p.group, "step": int(opt._steps[p.index])} for p in lay.params],
+                    "group": p.group, "step": int(opt.steps[p.index])} for p in lay.params],
         "param_groups": groups,
         "amsgrad_state": any(b.amsgrad for b in opt.buckets),
         "loss_scaler": None if getattr(opt, "loss_scaler", None) is None else opt.loss_scaler.state_dict(),
@@ -196,7 +196,7 @@ def _shard_tensors(opt) -> dict[str, torch.Tensor]:
         p16 = _owned16(b)
         if p16 is not None:
             out[f"b{b.index}.params16"] = p16.detach().contiguous()
-    out["steps"] = torch.tensor(opt._steps, dtype=torch.int64)
+    out["steps"] = torch.tensor(opt.steps, dtype=torch.int64)
     return out
 
 
@@ -323,7 +323,7 @@ def _check_fit(opt, meta: dict, meta_path: str) -> dict:
     if len(meta["param_groups"]) != len(opt.param_groups):
         raise CheckpointError(f"{meta_path}: {len(meta['param_groups'])} param groups in the checkpoint, "
                               f"{len(opt.param_groups)} here")
-    kind = "AdamW" if opt._adamw else "Adam"
+    kind = "AdamW" if opt.adamw else "Adam"
     if meta["optimizer"] != kind:
         raise CheckpointError(f"{meta_path}: saved by Zero{meta['optimizer']}, loading into Zero{kind}")
     have_ams = any(b.amsgrad for b in opt.buckets)
@@ -339,12 +339,10 @@ def load_checkpoint(opt, path, verify: bool = True) -> None:
     (see [Note: resharding]). Nothing changes unless every rank read and checked everything,
     the sha256 of every file this rank reads included (``verify=False`` skips the tensor files';
     [Note: checkpoint integrity])."""
-    from .zero import collectives as C
-    from .zero.layout import Layout, dtype_from_name
     err = None
     staged = None
     try:
-        staged = _stage_load(opt, path, verify, Layout, dtype_from_name)
+        staged = _stage_load(opt, path, verify)
     except CheckpointError as e:
         err = str(e)
     except Exception as e:  # noqa: BLE001
@@ -363,7 +361,7 @@ def load_checkpoint(opt, path, verify: bool = True) -> None:
             st["master"].copy_(new_state[b.index]["master"])
         else:
             _owned16(b).copy_(new16[b.index])
-    opt._steps = steps
+    opt.steps = steps
     for g, saved in zip(opt.param_groups, meta["param_groups"]):
         for k, v in saved.items():
             if k in g:
@@ -375,12 +373,7 @@ def load_checkpoint(opt, path, verify: bool = True) -> None:
     for k, v in rest.items():
         msd[k].copy_(v)
     shards.close()
-    s3 = getattr(opt, "_s3", None)
-    if s3 is not None:                  # stage 3: the next forward gathers from the new shards
-        s3.after_step()
-    else:
-        for b in opt.buckets:
-            C.wait(C.all_gather_bucket(b.param_flat, opt.rank, opt.process_group, async_op=False))
+    opt.refresh_params()                # stages 1-2 all-gather; stage 3: the next forward gathers
 
 
 def _load_rest(opt, vdir: str, marker: dict, meta: dict, verify: bool) -> dict:
@@ -406,7 +399,7 @@ def _load_rest(opt, vdir: str, marker: dict, meta: dict, verify: bool) -> dict:
     return out
 
 
-def _stage_load(opt, path, verify, Layout, dtype_from_name):
+def _stage_load(opt, path, verify):
     vdir = resolve(path)
     marker, meta = read_metadata(vdir)
     meta_path = os.path.join(vdir, "metadata.json")

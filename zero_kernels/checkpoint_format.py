@@ -34,6 +34,8 @@ from typing import Any, Callable
 
 import torch
 
+from .layout import Layout
+
 from .state_keys import canonical_names
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "OWNER_FILE", "CheckpointError", "shard_name", "safe_join", "versions",
@@ -290,7 +292,6 @@ def validate_layout(lay, where: str) -> None:
 
 def saved_layout(meta: dict, meta_path: str):
     """The saved Layout, validated (``validate_layout``) and matching the shard count."""
-    from .zero.layout import Layout         # lazily: zero_kernels.zero imports torch.distributed
     try:
         lay = Layout.from_dict(meta["layout"])
     except (KeyError, TypeError, ValueError) as e:

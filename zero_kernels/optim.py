@@ -15,6 +15,7 @@ from torch import Tensor
 
 from . import backends
 from ._launch_plan import GroupPlan, Launch, is_low_precision, local, packed_steps, signature, state_error
+from .hparams import scalar_lr, validate_hparams as _validate_hparams
 from .reference import compute_coeffs, fused_adam_ref
 
 __all__ = ["FusedAdam", "FusedAdamW"]
@@ -23,22 +24,6 @@ _FP32_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
 _FP32_MAX = torch.finfo(torch.float32).max
 
 
-def _validate_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
-    """torch.optim.Adam's checks and messages (NaN fails them too: NaN compares False)."""
-    if isinstance(lr, Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element")
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    if not 0.0 <= betas[0] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= betas[1] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
 
 
 def _scalar(x: float | Tensor) -> float:
@@ -352,7 +337,7 @@ class FusedAdam(torch.optim.Optimizer):
                 steps.add_(1.0 - found_inf.to(steps.device, torch.float32).reshape(()))
             else:
                 steps.add_(1.0)
-            coeffs = compute_coeffs(steps, group["lr"], beta1, beta2, group["weight_decay"], adamw,
+            coeffs = compute_coeffs(steps, scalar_lr(group["lr"]), beta1, beta2, group["weight_decay"], adamw,
                                     device=device)
             gs = None
             if grad_scale is not None:

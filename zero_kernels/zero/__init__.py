@@ -1,17 +1,33 @@
 """ZeRO stage 1/2/3 for PyTorch: flat buckets, overlapped reduce-scatter, fused Adam on each rank's slice.
 
-    layout.py       the bucket layout as plain data ([Note: bucket], [Note: slice], [Note: padding])
-    buckets.py      FlatBucket: one bucket's buffers on one rank
+One concept per file (after FSDP2's ``_fully_shard/``); the ``[Note: ...]`` blocks define the vocabulary:
+    optimizer.py    ZeroAdamW / ZeroAdam: the facade over one strategy per stage
+    config.py       ZeroConfig, validated before the model is touched ([Note: construction order])
+    params.py       reading the model: names, tied parameters, param groups
+    agreement.py    every rank builds the same optimizer ([Note: rank agreement])
+    strategy.py     stages 1 and 2 ([Note: stage strategies])
+    buckets.py      FlatBucket = storage + OptimState + ReduceState ([Note: bucket objects])
     flat.py         flatten / unflatten dispatch: Triton or torch ([Note: views vs copies])
-    collectives.py  stateless reduce-scatter / all-gather wrappers returning NamedTuples
-    hooks.py        stage-2 gradient hooks ([Note: stage-2 gradient flow])
-    stage3.py       ZeRO-3: units, just-in-time gather/free, prefetch, backward hooks
-                    ([Note: stage-3 units], [Note: stage-3 storage], [Note: stage-3 hooks])
-    optimizer.py    ZeroAdamW / ZeroAdam ([Note: the ZeRO step])
+    reduce.py       the stage-1 reducer ([Note: stage-1 reduction])
+    hooks.py        the stage-2/3 reducer: gradient hooks ([Note: stage-2 gradient flow])
+    gather.py       stages 1-2 parameter all-gather ([Note: overlapped parameter all-gather])
+    step.py         per-bucket fused step and global norm ([Note: the ZeRO step])
     scaling.py      loss scaling, GradScaler, non-finite skips ([Note: non-finite gradients])
+    state_dict.py   shard and full-model state dicts ([Note: shard state dict])
+    report.py       memory_report()
+    collectives.py  stateless reduce-scatter / all-gather returning NamedTuples ([Note: gloo
+                    collectives], [Note: communication device])
+    timeouts.py     bounded waits, the timeout decorator ([Note: collective timeouts])
+    stage3.py       the stage-3 strategy and reducer ([Note: stage-3 hooks])
+    units.py        stage-3 units ([Note: stage-3 units])
+    unit_bucket.py  stage-3 storage and the gather cache ([Note: stage-3 storage])
+    unit_hooks.py   stage-3 forward/backward module hooks, prefetch
+    ../layout.py      the bucket layout as plain data ([Note: bucket], [Note: slice], [Note: padding])
+    ../hparams.py     the hyper-parameter validator shared with FusedAdam ([Note: hyper-parameter rules])
     ../checkpoint.py  sharded resharding checkpoints + offline CLI ([Note: checkpoint format])
 """
-from .layout import Layout, build_layout
+from ..layout import Layout, build_layout
+from .config import ZeroConfig
 from .optimizer import ZeroAdam, ZeroAdamW
 
-__all__ = ["ZeroAdamW", "ZeroAdam", "Layout", "build_layout"]
+__all__ = ["ZeroAdamW", "ZeroAdam", "ZeroConfig", "Layout", "build_layout"]

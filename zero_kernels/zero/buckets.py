@@ -1,10 +1,16 @@
 """Runtime storage of one bucket on one rank (see [Note: bucket] / [Note: slice] in layout.py).
 
-A :class:`FlatBucket` owns the flat working-parameter buffer the module's parameters are views of,
-this rank's fp32 slices of master / exp_avg / exp_avg_sq (and max_exp_avg_sq for amsgrad), the
-reduced gradient slice, and the transient full-size gradient buffers of a reduction in flight.
-It knows nothing about stages or hooks, so stage-3 units can hold one per unit and swap
-``param_flat`` in and out.
+[Note: bucket objects]
+A :class:`FlatBucket` is three separate objects over one :class:`BucketSpec`:
+  * the bucket itself: the parameter *storage* (``param_flat``, the flat working-parameter buffer
+    the module's parameters are views of, and the fp32 ``master`` slice, which for fp32
+    parameters *is* the parameter slice);
+  * ``b.optim`` (:class:`OptimState`): this rank's fp32 ``exp_avg`` / ``exp_avg_sq`` (and
+    ``max_exp_avg_sq`` for amsgrad) slices;
+  * ``b.reduce`` (:class:`ReduceState`): the bookkeeping of gradient reduction (the reduced slice,
+    the full-size buffers of a reduction in flight) owned by the reducers (reduce.py, hooks.py).
+Stage 3's unit buckets (unit_bucket.py) keep only the shard of ``param_flat`` persistently and use
+the same binding functions (:func:`fill_flat`, :func:`master_from_originals`).
 """
 from __future__ import annotations
 
@@ -13,9 +19,57 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .layout import BucketSpec, Layout, Piece, dtype_from_name
+from .flat import flatten
+from ..layout import BucketSpec, Layout, Piece, dtype_from_name
 
-__all__ = ["FlatBucket"]
+__all__ = ["FlatBucket", "OptimState", "ReduceState", "fill_flat", "master_from_originals"]
+
+
+class OptimState:
+    """This rank's fp32 Adam moments for one bucket slice (``shard_numel`` elements each)."""
+
+    def __init__(self, numel: int, device: torch.device, amsgrad: bool):
+        self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        self.max_exp_avg_sq = torch.zeros_like(self.exp_avg) if amsgrad else None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq)
+                   if t is not None)
+
+
+class ReduceState:
+    """Gradient-reduction bookkeeping of one bucket (written by the stage-1/2/3 reducers only)."""
+
+    def __init__(self):
+        self.grad_slice: Tensor | None = None       # reduced (averaged) slice, reduce dtype
+        self.spare_slice: Tensor | None = None      # stage 2/3: grad_slice storage kept by zero_grad()
+        self.grad_flat: Tensor | None = None        # stage-1 views path (working dtype)
+        self.acc: Tensor | None = None              # full-size buffer of a reduction (stage 1: send buffer)
+        self.acc_fresh = False                      # acc's round not sealed (hooks.py, 2)
+        self.acc_written: set[int] = set()          # params a fresh acc holds a gradient of
+        self.acc_unlaunched = False                 # acc holds gradients not yet reduced
+        self.late_acc: Tensor | None = None         # stage 2: grads after the launch
+        self.arrived = 0                            # grads arrived in the current backward
+        self.launched = False                       # reduce-scatter issued this backward
+        self.pending = None                         # ReduceScatterResult in flight
+        self.pending_add: Tensor | None = None      # slice to add into grad_slice on wait
+
+
+def fill_flat(flat: Tensor, originals: Sequence[Tensor], offsets: Sequence[int]) -> Tensor:
+    """Copy the parameters' original values into a zeroed flat buffer (cast to its dtype)."""
+    flatten(list(originals), flat, offsets)
+    return flat
+
+
+def master_from_originals(spec: BucketSpec, pieces: Sequence[Piece], originals: Sequence[Tensor],
+                          device: torch.device) -> Tensor:
+    """This rank's fp32 master slice built from the original (full precision) parameter values."""
+    master = torch.zeros(spec.shard_numel, dtype=torch.float32, device=device)
+    for pc in pieces:
+        src = originals[spec.params.index(pc.param)].reshape(-1)
+        master[pc.start:pc.start + pc.numel].copy_(src[pc.param_start:pc.param_start + pc.numel])
+    return master
 
 
 class FlatBucket:
@@ -32,52 +86,30 @@ class FlatBucket:
         self.dtype = dtype_from_name(spec.dtype)
         self.device = device
         self.amsgrad = amsgrad
-        s, e = spec.slice_bounds(rank)
-        self.slice_start, self.slice_end = s, e
-        # Filled by bind(): the working parameters and the fp32 optimizer slices.
-        self.param_flat: Tensor | None = None
+        self.slice_start, self.slice_end = spec.slice_bounds(rank)
+        self.param_flat: Tensor | None = None               # filled by bind()
         self.master: Tensor | None = None
-        self.exp_avg: Tensor | None = None
-        self.exp_avg_sq: Tensor | None = None
-        self.max_exp_avg_sq: Tensor | None = None
-        # Gradients.
-        self.grad_slice: Tensor | None = None               # reduced (averaged) slice, reduce dtype
-        self.spare_slice: Tensor | None = None              # stage 2/3: grad_slice storage kept by zero_grad()
-        self.grad_flat: Tensor | None = None                # stage-1 views path (working dtype)
-        self.acc: Tensor | None = None                      # stage-2 full-size accumulation buffer
-        self.acc_fresh = False                              # acc's round not sealed (hooks.py, 2)
-        self.acc_written: set[int] = set()                  # params a fresh acc holds a gradient of
-        self.acc_unlaunched = False                         # acc holds gradients not yet reduced
-        self.late_acc: Tensor | None = None                 # stage 2: grads after the launch
-        self.arrived = 0                                    # grads arrived in the current backward
-        self.launched = False                               # reduce-scatter issued this backward
-        self.pending = None                                 # ReduceScatterResult in flight
-        self.pending_add: Tensor | None = None              # slice to add into grad_slice on wait
+        self.optim: OptimState | None = None
+        self.reduce = ReduceState()
 
     # ---- construction -------------------------------------------------------------------------
     def bind(self, originals: Sequence[Tensor]) -> None:
         """Allocate the flat buffer from the parameters' original values, make the parameters views
         of it, and build this rank's fp32 master slice from the originals (full precision)."""
-        from .flat import flatten
-        spec = self.spec
-        flat = torch.zeros(spec.padded_numel, dtype=self.dtype, device=self.device)
-        flatten(list(originals), flat, self.offsets)
-        fp32_params = self.dtype == torch.float32
-        if fp32_params:
-            master = flat[self.slice_start:self.slice_end]  # the fp32 parameter slice IS the master
+        flat = fill_flat(torch.zeros(self.spec.padded_numel, dtype=self.dtype, device=self.device),
+                         originals, self.offsets)
+        if self.master_is_param:
+            self.master = flat[self.slice_start:self.slice_end]   # the fp32 slice IS the master
         else:
-            master = torch.zeros(spec.shard_numel, dtype=torch.float32, device=self.device)
-            for pc in self.pieces:
-                src = originals[spec.params.index(pc.param)].reshape(-1)
-                master[pc.start:pc.start + pc.numel].copy_(src[pc.param_start:pc.param_start + pc.numel])
+            self.master = master_from_originals(self.spec, self.pieces, originals, self.device)
+        self.param_flat = flat
+        self.point_params_at(flat)
+        self.optim = OptimState(self.spec.shard_numel, self.device, self.amsgrad)
+
+    def point_params_at(self, flat: Tensor) -> None:
+        """Make every parameter a view of its region of ``flat``."""
         for p, ps in zip(self.params, self.param_specs):
             p.data = flat[ps.offset:ps.offset + ps.numel].view(ps.shape)
-        self.param_flat = flat
-        self.master = master
-        self.exp_avg = torch.zeros(spec.shard_numel, dtype=torch.float32, device=self.device)
-        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        if self.amsgrad:
-            self.max_exp_avg_sq = torch.zeros_like(self.exp_avg)
 
     # ---- views ------------------------------------------------------------------------------
     @property
@@ -90,7 +122,7 @@ class FlatBucket:
         return self.dtype == torch.float32
 
     def grad_views(self) -> list[Tensor]:
-        g = self.grad_flat
+        g = self.reduce.grad_flat
         return [g[ps.offset:ps.offset + ps.numel].view(ps.shape) for ps in self.param_specs]
 
     def zero_missing(self, buf: Tensor, present: Sequence[bool]) -> None:
@@ -101,7 +133,8 @@ class FlatBucket:
         buf[self.spec.numel:].zero_()
 
     def state_tensors(self) -> dict[str, Tensor]:
-        d = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        """The persistent per-slice state (what a shard of a checkpoint holds)."""
+        d = {"master": self.master, "exp_avg": self.optim.exp_avg, "exp_avg_sq": self.optim.exp_avg_sq}
         if self.amsgrad:
-            d["max_exp_avg_sq"] = self.max_exp_avg_sq
+            d["max_exp_avg_sq"] = self.optim.max_exp_avg_sq
         return d

@@ -34,6 +34,8 @@ collectives; NCCL always uses the native collectives.
 """
 from __future__ import annotations
 
+import datetime
+import os
 import time
 import zlib
 from typing import Any, NamedTuple
@@ -42,13 +44,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .timeouts import CollectiveTimeoutError, current_timeout, timeout_scope, wait_work
+
 __all__ = ["ReduceScatterResult", "AllGatherResult", "reduce_scatter_bucket", "all_gather_bucket",
            "all_reduce_tensor", "wait", "TRACE", "group_rank", "group_size", "timeout_scope",
-           "wait_work", "CollectiveTimeoutError", "current_timeout"]
+           "wait_work", "CollectiveTimeoutError", "current_timeout", "device_for_backend", "comm_device",
+           "flag_tensor"]
 
 TRACE: list | None = None
 # "p2p" | "allreduce" | "native" (see [Note: gloo collectives]); env ZK_GLOO_MODE sets the default
-GLOO_MODE = __import__("os").environ.get("ZK_GLOO_MODE", "p2p")
+GLOO_MODE = os.environ.get("ZK_GLOO_MODE", "p2p")
 
 # Newer torch names the single-tensor collectives *_single; older only has *_tensor / *_into_tensor.
 _rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -80,6 +85,34 @@ def _is_gloo(group) -> bool:
     except Exception:
         return False
 
+
+# ---- [Note: communication device] ---------------------------------------------------------------
+# Every tensor handed to a collective lives on the device the group's backend requires: CUDA for
+# NCCL (it accepts nothing else), CPU for gloo and MPI. Buckets already live there when the model
+# does (CUDA + NCCL, CPU + gloo); the small exchange tensors (had-a-gradient flags, step counts,
+# non-finite flags, norms, join barriers) are built with ``flag_tensor`` and reduced by
+# ``all_reduce_tensor``, which both use ``comm_device``: the one place that decides.
+def device_for_backend(backend: str, fallback: torch.device | None = None) -> torch.device:
+    """The device a backend's collectives take tensors on (``fallback`` for unknown backends)."""
+    name = str(backend).lower()
+    if name == "nccl":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cuda")
+    if name in ("gloo", "mpi"):
+        return torch.device("cpu")
+    return fallback if fallback is not None else torch.device("cpu")
+
+
+def comm_device(group, fallback: torch.device | None = None) -> torch.device:
+    """The device collectives over ``group`` take tensors on (``fallback`` without a process group)."""
+    if not dist.is_initialized():
+        return fallback if fallback is not None else torch.device("cpu")
+    return device_for_backend(dist.get_backend(group), fallback)
+
+
+def flag_tensor(values, group, dtype: torch.dtype = torch.int32) -> Tensor:
+    """A small exchange tensor (flags, counts) on the group's communication device."""
+    return torch.as_tensor(values, dtype=dtype).to(comm_device(group))
 
 
 
@@ -114,7 +147,7 @@ class _Works:
         deadline = time.monotonic() + timeout.total_seconds()
         for w in self.works:
             left = max(deadline - time.monotonic(), 1e-3)
-            if w.wait(_datetime.timedelta(seconds=left)) is False:
+            if w.wait(datetime.timedelta(seconds=left)) is False:
                 return False
         return True
 
@@ -122,16 +155,19 @@ class _Works:
         return all(w.is_completed() for w in self.works)
 
 
-def _p2p_reduce_scatter(flat: Tensor, output: Tensor, group, n: int, r: int, tag: Any):
+def _p2p_reduce_scatter(flat: Tensor, output: Tensor, group, n: int, r: int, tag: Any,
+                        scratch: Tensor | None = None):
     shard = flat.numel() // n
     t = _p2p_tag("reduce_scatter", tag)
     own = flat[r * shard:(r + 1) * shard]
     in_place = output.data_ptr() == own.data_ptr()
+    if scratch is None or scratch.numel() < (n - 1) * shard:
+        scratch = torch.empty((n - 1) * shard, dtype=flat.dtype, device=flat.device)
     works, bufs = [], []
     for k in range(1, n):
         src, dst = (r - k) % n, (r + k) % n
         # rank r-1's copy lands in the output itself when that is a separate buffer (no scratch)
-        buf = output if (k == 1 and not in_place) else torch.empty(shard, dtype=flat.dtype, device=flat.device)
+        buf = output if (k == 1 and not in_place) else scratch[(k - 1) * shard:k * shard]
         works.append(dist.irecv(buf, _peer(group, src), group=group, tag=t))
         works.append(dist.isend(flat[dst * shard:(dst + 1) * shard], _peer(group, dst), group=group, tag=t))
         bufs.append(buf)
@@ -173,11 +209,13 @@ def reduces_in_place(group) -> bool:
 
 
 def reduce_scatter_bucket(flat: Tensor, output: Tensor, group=None, async_op: bool = True,
-                          tag: Any = None) -> ReduceScatterResult:
+                          tag: Any = None, scratch: Tensor | None = None) -> ReduceScatterResult:
     """AVERAGE the flat bucket ``flat`` (padded_numel) over ``group``; this rank receives its slice in
-    ``output`` (shard_numel, same dtype). ``flat`` is clobbered (see [Note: gloo collectives])."""
+    ``output`` (shard_numel, same dtype). ``flat`` is clobbered (see [Note: gloo collectives]).
+    ``scratch`` ((Nd-1) * shard_numel elements, kept by the caller) receives the peers' copies on
+    the gloo point-to-point path instead of fresh buffers."""
     if not async_op and current_timeout() is not None:     # bounded wait ([Note: collective timeouts])
-        res = reduce_scatter_bucket(flat, output, group, True, tag)
+        res = reduce_scatter_bucket(flat, output, group, True, tag, scratch)
         wait(res)
         return res._replace(work=None, finalize=None)
     _trace("reduce_scatter", tag)
@@ -190,7 +228,7 @@ def reduce_scatter_bucket(flat: Tensor, output: Tensor, group=None, async_op: bo
     shard = flat.numel() // n
     mode = _gloo_mode(group)
     if mode == "p2p":
-        work, fin = _p2p_reduce_scatter(flat, output, group, n, r, tag)
+        work, fin = _p2p_reduce_scatter(flat, output, group, n, r, tag, scratch)
         if not async_op:
             work.wait()
             fin()
@@ -251,8 +289,16 @@ def all_gather_bucket(flat: Tensor, rank: int, group=None, async_op: bool = True
 
 
 def all_reduce_tensor(t: Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
+    """All-reduce a small tensor in place; it travels on the group's device ([Note: communication
+    device]): a tensor elsewhere is reduced through a copy there (synchronously)."""
     _trace("all_reduce", None)
     if group_size(group) == 1:
+        return None
+    dev = comm_device(group, t.device)
+    if t.device != dev:
+        moved = t.to(dev)
+        all_reduce_tensor(moved, op, group)
+        t.copy_(moved)
         return None
     if not async_op and current_timeout() is not None:   # bounded wait (see [Note: collective timeouts])
         wait_work(dist.all_reduce(t, op=op, group=group, async_op=True), "all_reduce")
@@ -272,65 +318,3 @@ def wait(result) -> Tensor | None:
     return result.output
 
 
-# ---- [Note: collective timeouts] ----------------------------------------------------------------
-# ZeroAdamW(timeout=...) runs its collectives inside ``timeout_scope``: every wait then uses
-# ``work.wait(timeout)`` (gloo and NCCL honour it) and a timeout or a peer failure becomes a
-# CollectiveTimeoutError naming the collective, the group size and the likely cause, instead of a
-# hang (a dead peer usually fails fast with "connection closed"; a live peer that never reaches
-# the collective fails after ``timeout``). Outside a scope, waits use the process group's timeout.
-import contextlib as _contextlib  # noqa: E402
-import datetime as _datetime  # noqa: E402
-import threading as _threading  # noqa: E402
-
-_SCOPE = _threading.local()
-
-
-class CollectiveTimeoutError(RuntimeError):
-    """A collective did not complete: a rank died, hung, or never reached it."""
-
-
-def _as_timedelta(timeout) -> "_datetime.timedelta | None":
-    if timeout is None or isinstance(timeout, _datetime.timedelta):
-        return timeout
-    return _datetime.timedelta(seconds=float(timeout))
-
-
-@_contextlib.contextmanager
-def timeout_scope(timeout, group=None):
-    """Bound every collective wait in this block by ``timeout`` (seconds or timedelta; None: no bound)."""
-    prev = getattr(_SCOPE, "value", None)
-    _SCOPE.value = None if timeout is None else (_as_timedelta(timeout), group)
-    try:
-        yield
-    finally:
-        _SCOPE.value = prev
-
-
-def current_timeout():
-    v = getattr(_SCOPE, "value", None)
-    return None if v is None else v[0]
-
-
-def wait_work(work, kind: str = "collective", tag: Any = None) -> None:
-    v = getattr(_SCOPE, "value", None)
-    if v is None:
-        work.wait()
-        return
-    timeout, group = v
-    t0 = time.perf_counter()
-    try:
-        ok = work.wait(timeout)
-    except RuntimeError as e:
-        raise CollectiveTimeoutError(_timeout_message(kind, tag, group, timeout, time.perf_counter() - t0, e)) from e
-    if ok is False:
-        raise CollectiveTimeoutError(_timeout_message(kind, tag, group, timeout, time.perf_counter() - t0, None))
-
-
-def _timeout_message(kind, tag, group, timeout, waited, err) -> str:
-    n = group_size(group)
-    r = group_rank(group)
-    why = str(err).strip().splitlines()[0][:200] if err is not None else "timed out"
-    return (f"{kind} (tag {tag!r}) over a process group of {n} ranks did not complete on rank {r} "
-            f"after {waited:.1f} s (timeout {timeout.total_seconds():g} s): {why}. Likely cause: another "
-            "rank of the group died, is hung, or never reached this collective (e.g. it skipped step() "
-            "or exited early); check the other ranks' logs.")

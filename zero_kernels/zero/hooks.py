@@ -4,8 +4,9 @@
 1. ``register_post_accumulate_grad_hook`` fires once per parameter per backward (tied parameters
    are one Parameter, so once). The hook takes ``p.grad`` (sets it to None: the full-size gradient
    is never kept).
-2. The hook copies it at once into the bucket's full-size accumulation buffer (cast to
-   ``reduce_dtype``, fp32 by default), so autograd's gradient is freed right away, as DDP frees
+2. The hook copies it at once into its region of the bucket's full-size accumulation buffer
+   (one ``copy_``/``add_`` on a view, cast to ``reduce_dtype``, fp32 by default: no flatten
+   launch and no host-to-device copy of pointer tables per gradient), so autograd's gradient is freed right away, as DDP frees
    its own. (Holding a bucket's gradients until all arrived and freeing them together left large
    free blocks that glibc returned to the system: every backward then page-faulted its gradients
    in again, 25-32K faults per backward on the 33.6M-param bench vs ~4K.) When the bucket's round
@@ -28,7 +29,7 @@
    ``zero_grad()`` drops the gradient but keeps the slice's storage (``spare_slice``) for the next
    backward: the slice is part of stage 2's persistent 4 Psi / Nd anyway, and a fresh multi-MB
    slice would be page-faulted in (and its old one unmapped) on every step.
-6. Full-size buffers are recycled (``pool_keep``, set by ZeroAdamW for stage 2; 0 = allocate and
+6. Full-size buffers are recycled (``pool_keep``, 2 for ZeroAdamW's stages 2 and 3; 0 = allocate and
    free every time, as stage 3 does): a fresh multi-MB buffer is page-faulted in (the kernel zeroes
    every page) on every backward, which made the flatten copy several times slower than a copy into
    warm memory (2 gloo ranks, 33.6M-param MLP: copy_ 115 -> ~40 ms per backward; step 1.46x -> 1.20x
@@ -40,6 +41,7 @@
 """
 from __future__ import annotations
 
+from contextlib import nullcontext as _nullcontext
 from typing import Callable
 
 import torch
@@ -47,14 +49,18 @@ from torch.autograd import Variable
 
 from . import collectives as C
 from .buckets import FlatBucket
-from .flat import flatten
 
 __all__ = ["Stage2Reducer"]
 
 
+def _region(b: FlatBucket, buf: torch.Tensor, li: int) -> torch.Tensor:
+    ps = b.param_specs[li]
+    return buf[ps.offset:ps.offset + ps.numel].view(ps.shape)
+
+
 class Stage2Reducer:
     def __init__(self, buckets: list[FlatBucket], group, reduce_dtype: torch.dtype, overlap_comm: bool,
-                 mark_grad: Callable[[int, int], None]):
+                 mark_grad: Callable[[int, int], None], pool_keep: int = 0, timeout=None):
         self.buckets = buckets
         self.group = group
         self.reduce_dtype = reduce_dtype
@@ -71,7 +77,8 @@ class Stage2Reducer:
         self.arrived_expected = [0] * len(buckets)
         self.late = [False] * len(buckets)
         self.pool: list[torch.Tensor] = []  # free full-size buffers (see note, point 6)
-        self.pool_keep = 0
+        self.pool_keep = pool_keep          # see note, point 6 (ZeroAdamW uses 2)
+        self.timeout = timeout              # ZeroAdamW(timeout=...): bounded waits during backward too
         self._pool_numel = max((b.spec.padded_numel for b in buckets), default=0)
 
     def set_expected(self, flags_per_bucket: list[list[bool]]) -> None:
@@ -123,72 +130,112 @@ class Stage2Reducer:
         if g is None:
             return
         self.mark_grad(b.index, li)
-        if b.launched:                      # late: its bucket already left (see note, point 4)
-            late = getattr(b, "late_acc", None)
-            if late is None:
-                b.late_acc = torch.zeros(b.spec.padded_numel, dtype=self.reduce_dtype, device=b.device)
-            flatten([g], b.late_acc, [b.offsets[li]], accumulate=True)
+        if b.reduce.launched:                      # late: its bucket already left (see note, point 4)
+            if b.reduce.late_acc is None:
+                b.reduce.late_acc = torch.zeros(b.spec.padded_numel, dtype=self.reduce_dtype, device=b.device)
+            _region(b, b.reduce.late_acc, li).add_(g)
             self.late[b.index] = True
             return
         self._add_grad(b, li, g)            # at once: the gradient is freed now (see note, point 2)
-        b.arrived += 1
+        b.reduce.arrived += 1
         if self.expected[b.index][li]:
             self.arrived_expected[b.index] += 1
-        if self.arrived_expected[b.index] >= self.expected_count[b.index] or b.arrived == len(b.params):
+        if self.arrived_expected[b.index] >= self.expected_count[b.index] or b.reduce.arrived == len(b.params):
             if self.sync and self.overlap_comm:
                 self._launch_ready()
 
     def _add_grad(self, b: FlatBucket, li: int, g: torch.Tensor) -> None:
         """Put parameter li's gradient into b's accumulation buffer: copied when it is li's first
         in a fresh buffer, else added. Regions no gradient wrote are zeroed by _seal."""
-        if b.pending is not None:           # the previous backward's reduction still owns b.acc
+        if b.reduce.pending is not None:           # the previous backward's reduction still owns b.reduce.acc
             self.finish(b)
-        if b.acc is None:
-            b.acc = self._take(b)
-            b.acc_fresh = True
-            b.acc_written = set()
-        first = b.acc_fresh and li not in b.acc_written
-        flatten([g], b.acc, [b.offsets[li]], accumulate=not first)
-        if first:
-            b.acc_written.add(li)
-        b.acc_unlaunched = True
+        if b.reduce.acc is None:
+            b.reduce.acc = self._take(b)
+            b.reduce.acc_fresh = True
+            b.reduce.acc_written = set()
+        dst = _region(b, b.reduce.acc, li)       # one copy_/add_, cast included (issue 10.6)
+        if b.reduce.acc_fresh and li not in b.reduce.acc_written:
+            dst.copy_(g)
+            b.reduce.acc_written.add(li)
+        else:
+            dst.add_(g)
+        b.reduce.acc_unlaunched = True
 
     @staticmethod
     def _seal(b: FlatBucket) -> None:
         """End of a round of a fresh buffer: zero the regions no gradient wrote (and the padding);
         later gradients (no_sync micro-batches) accumulate into it."""
-        if b.acc is not None and b.acc_fresh:
-            b.zero_missing(b.acc, [li in b.acc_written for li in range(len(b.params))])
-            b.acc_fresh = False
+        if b.reduce.acc is not None and b.reduce.acc_fresh:
+            b.zero_missing(b.reduce.acc, [li in b.reduce.acc_written for li in range(len(b.params))])
+            b.reduce.acc_fresh = False
 
     def _launch_ready(self) -> None:
         while self.next_launch < len(self.buckets):
             b = self.buckets[self.next_launch]
             i = b.index
-            if b.launched or (self.arrived_expected[i] < self.expected_count[i] and b.arrived < len(b.params)):
+            if b.reduce.launched or (self.arrived_expected[i] < self.expected_count[i] and b.reduce.arrived < len(b.params)):
                 break
             self._launch(b)
             self.next_launch += 1
         self._reap()
 
+    def launch_unlaunched(self) -> None:
+        """step() after no_sync-only backwards: reduce what was accumulated (every rank alike)."""
+        if any(b.reduce.acc_unlaunched for b in self.buckets):
+            for b in self.buckets:
+                if not b.reduce.launched:
+                    self._launch(b)
+            self._reset_backward()
+
+    def reduce_late(self, late_flags) -> None:
+        """Reduce-scatter the side buffers of buckets that got a gradient after their launch on
+        some rank (``late_flags[b]``, agreed over the group) and add them into the slices."""
+        for b in self.buckets:
+            if late_flags[b.index]:
+                self.finish(b)
+                buf = b.reduce.late_acc if b.reduce.late_acc is not None else torch.zeros(
+                    b.spec.padded_numel, dtype=self.reduce_dtype, device=b.device)
+                out = torch.empty(b.spec.shard_numel, dtype=self.reduce_dtype, device=b.device)
+                C.wait(C.reduce_scatter_bucket(buf, out, self.group, async_op=False, tag=("late", b.index)))
+                if b.reduce.grad_slice is None:
+                    b.reduce.grad_slice = out
+                else:
+                    b.reduce.grad_slice.add_(out)
+            b.reduce.late_acc = None
+            self.late[b.index] = False
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Drop the reduced gradients (the slice storage is kept for the next backward, note 5)."""
+        self.clear()
+        for b in self.buckets:
+            r = b.reduce
+            if set_to_none:
+                if r.grad_slice is not None:
+                    r.spare_slice = r.grad_slice
+                r.grad_slice = None
+            elif r.grad_slice is not None:
+                r.grad_slice.zero_()
+            for p in b.params:
+                p.grad = None
+
     def _launch(self, b: FlatBucket) -> None:
-        if b.pending is not None:
+        if b.reduce.pending is not None:
             self.finish(b)
-        if b.acc is None:                   # nothing arrived on this rank: contribute zeros
-            b.acc = self._take(b).zero_()
-            b.acc_fresh = False
+        if b.reduce.acc is None:                   # nothing arrived on this rank: contribute zeros
+            b.reduce.acc = self._take(b).zero_()
+            b.reduce.acc_fresh = False
         self._seal(b)
-        if b.grad_slice is None:            # reuse the storage zero_grad() kept (see note, point 5)
-            b.grad_slice = b.spare_slice if b.spare_slice is not None else torch.empty(
+        if b.reduce.grad_slice is None:            # reuse the storage zero_grad() kept (see note, point 5)
+            b.reduce.grad_slice = b.reduce.spare_slice if b.reduce.spare_slice is not None else torch.empty(
                 b.spec.shard_numel, dtype=self.reduce_dtype, device=b.device)
-            b.spare_slice = None
-            out, b.pending_add = b.grad_slice, None
+            b.reduce.spare_slice = None
+            out, b.reduce.pending_add = b.reduce.grad_slice, None
         else:                               # accumulate over backwards: reduce, then add on wait
-            out = torch.empty_like(b.grad_slice)
-            b.pending_add = out
-        b.pending = C.reduce_scatter_bucket(b.acc, out, self.group, async_op=True, tag=b.index)
-        b.launched = True
-        b.acc_unlaunched = False
+            out = torch.empty_like(b.reduce.grad_slice)
+            b.reduce.pending_add = out
+        b.reduce.pending = C.reduce_scatter_bucket(b.reduce.acc, out, self.group, async_op=True, tag=b.index)
+        b.reduce.launched = True
+        b.reduce.acc_unlaunched = False
         self.inflight.append(b)
 
     # Reduce-scatters kept in flight during backward (see _reap). 1: launching bucket k waits for
@@ -205,7 +252,7 @@ class Stage2Reducer:
         stage 2 holds at most a few full-size buckets during backward."""
         keep = []
         for b in self.inflight:
-            w = b.pending.work if b.pending is not None else None
+            w = b.reduce.pending.work if b.reduce.pending is not None else None
             if w is None or w.is_completed():
                 self.finish(b)
             else:
@@ -222,37 +269,33 @@ class Stage2Reducer:
                 self._seal(b)
             if self.sync:
                 for b in self.buckets[self.next_launch:]:
-                    if not b.launched:
+                    if not b.reduce.launched:
                         self._launch(b)
                 self.next_launch = len(self.buckets)
             self._reset_backward()
 
     def _reset_backward(self) -> None:
         for b in self.buckets:
-            b.arrived = 0
+            b.reduce.arrived = 0
             self.arrived_expected[b.index] = 0
             if self.sync:
-                b.launched = False
+                b.reduce.launched = False
         if self.sync:
             self.next_launch = 0
 
     # ---- at step() -------------------------------------------------------------------------
     def finish(self, b: FlatBucket) -> None:
         """Wait for b's reduce-scatter, fold it into grad_slice, free the full-size buffer."""
-        if b.pending is None:
+        if b.reduce.pending is None:
             return
-        t = getattr(self, "timeout", None)          # ZeroAdamW(timeout=...): bounded during backward too
-        if t is not None and C.current_timeout() is None:
-            with C.timeout_scope(t, self.group):
-                C.wait(b.pending)
-        else:
-            C.wait(b.pending)
-        if b.pending_add is not None:
-            b.grad_slice.add_(b.pending_add)
-        b.pending = None
-        b.pending_add = None
-        self._give(b.acc)
-        b.acc = None
+        with C.timeout_scope(self.timeout, self.group) if C.current_timeout() is None else _nullcontext():
+            C.wait(b.reduce.pending)
+        if b.reduce.pending_add is not None:
+            b.reduce.grad_slice.add_(b.reduce.pending_add)
+        b.reduce.pending = None
+        b.reduce.pending_add = None
+        self._give(b.reduce.acc)
+        b.reduce.acc = None
 
     def finish_all(self) -> None:
         for b in self.inflight:
@@ -263,12 +306,12 @@ class Stage2Reducer:
         """Drop everything (zero_grad): pending collectives are waited for first."""
         self.finish_all()
         for b in self.buckets:
-            self._give(b.acc)
-            b.acc = None
-            b.acc_unlaunched = False
-            b.late_acc = None
+            self._give(b.reduce.acc)
+            b.reduce.acc = None
+            b.reduce.acc_unlaunched = False
+            b.reduce.late_acc = None
             self.late[b.index] = False
             self.arrived_expected[b.index] = 0
-            b.arrived = 0
-            b.launched = False
+            b.reduce.arrived = 0
+            b.reduce.launched = False
         self.next_launch = 0

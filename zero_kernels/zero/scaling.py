@@ -14,16 +14,19 @@ every rank takes the same decision. A skipped step changes nothing: masters, exp
 * ``loss_scale=<float>``: a static scale; non-finite steps are skipped (and counted) as well.
 * ``loss_scale=None`` (bf16 / fp32): the skip is counted in ``zopt.skipped_steps`` and reported
   with ``warnings.warn`` -- a non-finite gradient never silently reaches the masters.
-* ``torch.amp.GradScaler``: ``scaler.scale(loss).backward(); scaler.step(zopt); scaler.update()``.
-  ZeroAdamW sets ``_step_supports_amp_scaling`` so GradScaler hands it ``grad_scale`` (the scale)
-  and ``found_inf`` (this rank's check of ``p.grad``, which under stage 2 holds nothing: the
-  gradients live in the buckets). The step combines that with the slice check, all-reduces it,
-  and writes the agreed flag back into GradScaler's per-optimizer record so ``scaler.update()``
-  halves/grows the scale identically on every rank (GradScaler keeps that record privately; we
-  find the scaler as the caller of ``step``; if it cannot be found a warning says the scales may
-  diverge). Clipping under GradScaler: call ``zopt.clip_grad_norm_`` *without*
-  ``scaler.unscale_`` (stage 2 has no ``p.grad`` to unscale) and pass ``loss_scale=scaler`` to
-  the constructor so clipping knows the scale; or use ``loss_scale="dynamic"``.
+* ``torch.amp.GradScaler``: construct with ``ZeroAdamW(..., loss_scale=scaler)``, then
+  ``scaler.scale(loss).backward(); scaler.step(zopt); scaler.update()``. ZeroAdamW follows the
+  protocol of torch's fused optimizers: ``_step_supports_amp_scaling = True``, so GradScaler
+  hands it ``grad_scale`` (the scale) and ``found_inf`` (this rank's check of ``p.grad``, which
+  under stages 2-3 holds nothing: the gradients live in the buckets) as attributes; ``step()``
+  also takes them as keyword arguments. The step combines ``found_inf`` with the slice check,
+  all-reduces it, and records the agreed flag in the scaler it was given (the per-optimizer
+  found-inf record ``scaler.update()`` reads, the record torch's ShardedGradScaler fills for
+  FSDP) so every rank halves/grows the scale identically. A GradScaler driving ``step()``
+  without having been given to the constructor is refused with an error (its ranks' scales
+  would diverge); nothing searches the call stack for it. Clipping under GradScaler: call
+  ``zopt.clip_grad_norm_`` *without* ``scaler.unscale_`` (stages 2-3 have no ``p.grad`` to
+  unscale); clipping knows the scale from the scaler given to the constructor.
 
 With a loss scale the gradient multiplier handed to the fused kernel is ``clip_coef / scale``
 (the reduced slices are already averages over the group), so unscaling costs no extra pass.
@@ -31,7 +34,6 @@ The decision is taken on the host (step counts are host ints), which costs one s
 """
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Any
 
@@ -41,7 +43,7 @@ from torch import Tensor
 
 from . import collectives as C
 
-__all__ = ["DynamicLossScaler", "make_scaler", "check_step"]
+__all__ = ["DynamicLossScaler", "make_scaler", "StepScaling"]
 
 
 class DynamicLossScaler:
@@ -106,82 +108,82 @@ def make_scaler(loss_scale, growth_interval: int = 2000):
                      f"got {loss_scale!r}")
 
 
-def current_scale(opt) -> float | None:
-    """The loss scale the reduced slices currently carry (None: unscaled)."""
-    sc = getattr(opt, "loss_scaler", None)
-    if sc is not None:
-        return sc.scale
-    gs = getattr(opt, "grad_scaler", None)
-    if gs is not None and gs.is_enabled():
-        return float(gs.get_scale())
-    return None
-
-
-def _slices_nonfinite(opt) -> Tensor:
+def _slices_nonfinite(buckets, rank: int, device: torch.device) -> Tensor:
     sums = []
-    for b in opt.buckets:
-        if b.grad_slice is None:
+    for b in buckets:
+        g = b.reduce.grad_slice
+        if g is None:
             continue
-        s, e = b.spec.data_bounds(opt.rank)
+        s, e = b.spec.data_bounds(rank)
         if e > s:
-            sums.append(b.grad_slice[: e - s].sum(dtype=torch.float32))
+            sums.append(g[: e - s].sum(dtype=torch.float32))
     if not sums:
-        return torch.zeros((), dtype=torch.float32, device=opt._device)
+        return torch.zeros((), dtype=torch.float32, device=device)
     return (~torch.isfinite(torch.stack(sums).sum())).to(torch.float32)
 
 
-def _find_grad_scaler(opt):
-    f = sys._getframe(2)
-    for _ in range(12):                 # step's decorators/wrappers sit in between
-        if f is None:
-            break
-        obj = f.f_locals.get("self")
-        if isinstance(obj, torch.amp.GradScaler):
-            return obj
-        f = f.f_back
-    return getattr(opt, "grad_scaler", None)
+class StepScaling:
+    """The loss-scale state of one ZeroAdamW and its non-finite-gradient decision per step."""
 
+    def __init__(self, loss_scale, growth_interval: int, group, rank: int, world: int, stage: int,
+                 device: torch.device, owner_id: int):
+        self.loss_scaler, self.grad_scaler = make_scaler(loss_scale, growth_interval)
+        self.owner_id = owner_id            # id() of the optimizer: GradScaler's key for its record
+        self.group, self.rank, self.world, self.stage, self.device = group, rank, world, stage, device
+        self.skipped_steps = 0
 
-def check_step(opt) -> tuple[bool, Tensor | None]:
-    """Called by ZeroAdamW.step() after the reductions were launched: (skip, inverse loss scale).
+    def current_scale(self) -> float | None:
+        """The loss scale the reduced slices currently carry (None: unscaled)."""
+        if self.loss_scaler is not None:
+            return self.loss_scaler.scale
+        gs = self.grad_scaler
+        if gs is not None and gs.is_enabled():
+            return float(gs.get_scale())
+        return None
 
-    Waits for every bucket's reduced slice, checks them, agrees on the flag over the group and
-    updates the scaler state; see [Note: non-finite gradients]."""
-    opt._reduce_all()
-    amp_scale = getattr(opt, "grad_scale", None)      # set by torch.amp.GradScaler.step
-    amp_found = getattr(opt, "found_inf", None)
-    driven_by_amp = amp_found is not None
-    flag = _slices_nonfinite(opt)
-    if driven_by_amp:
-        flag = torch.maximum(flag, torch.as_tensor(amp_found, dtype=torch.float32).reshape(()).to(flag.device))
-        if amp_scale is None and opt.stage != 1:
+    def check_amp(self, grad_scale, found_inf) -> None:
+        """Refuse what cannot work before anything changes (GradScaler protocol misuse)."""
+        if found_inf is None:
+            return
+        if self.grad_scaler is None and (self.world > 1 or self.stage > 1):
+            raise RuntimeError("a torch.amp.GradScaler drives this ZeroAdamW step but was not given to it: "
+                               "construct ZeroAdamW(..., loss_scale=scaler) so that every rank's "
+                               "scaler.update() sees the same inf/NaN decision")
+        if grad_scale is None and self.stage != 1:
             raise RuntimeError("scaler.unscale_(zopt) cannot unscale ZeRO stage-2/3 gradients (they live in "
                                "the sharded buckets, not in p.grad): do not call unscale_; clip with "
                                "zopt.clip_grad_norm_ and construct ZeroAdamW(..., loss_scale=scaler)")
-    flag = flag.reshape(1).clone()
-    C.all_reduce_tensor(flag, op=dist.ReduceOp.MAX, group=opt.process_group)
-    found = bool(flag.item() != 0)
-    inv = None
-    if driven_by_amp:
-        if amp_scale is not None:
-            inv = torch.as_tensor(amp_scale, dtype=torch.float32).reshape(1).to(opt._device).reciprocal()
-        scaler = _find_grad_scaler(opt)
-        if scaler is not None:
-            st = scaler._per_optimizer_states[id(opt)]
-            dev = scaler._scale.device if scaler._scale is not None else opt._device
-            st["found_inf_per_device"] = {dev: flag.to(dev, torch.float32).reshape(())}
-        elif not getattr(opt, "_warned_scaler", False):
-            opt._warned_scaler = True
-            warnings.warn("ZeroAdamW could not find the GradScaler driving this step: each rank's "
-                          "scaler.update() then sees only its own inf check and the loss scales may "
-                          "diverge across ranks; pass ZeroAdamW(..., loss_scale=scaler)", RuntimeWarning)
-    elif opt.loss_scaler is not None:
-        inv = torch.full((1,), 1.0 / opt.loss_scaler.scale, dtype=torch.float32, device=opt._device)
-        opt.loss_scaler.update(found)
-    if found:
-        opt.skipped_steps += 1
-        if not driven_by_amp and (opt.loss_scaler is None or not opt.loss_scaler.dynamic):
-            warnings.warn(f"ZeroAdamW: non-finite gradient (inf/NaN) on some rank; step skipped on every "
-                          f"rank, masters and moments unchanged ({opt.skipped_steps} skipped so far)",
-                          RuntimeWarning, stacklevel=3)
-    return found, inv
+
+    def decide(self, buckets, grad_scale, found_inf) -> tuple[bool, Tensor | None]:
+        """(skip, inverse loss scale) for this step, the same on every rank; see
+        [Note: non-finite gradients]. The reduced slices must be complete."""
+        flag = _slices_nonfinite(buckets, self.rank, self.device)
+        if found_inf is not None:
+            flag = torch.maximum(flag, torch.as_tensor(found_inf, dtype=torch.float32).reshape(()).to(flag.device))
+        flag = flag.reshape(1).clone()
+        C.all_reduce_tensor(flag, op=dist.ReduceOp.MAX, group=self.group)
+        found = bool(flag.item() != 0)
+        inv = None
+        if found_inf is not None:
+            if grad_scale is not None:
+                inv = torch.as_tensor(grad_scale, dtype=torch.float32).reshape(1).to(self.device).reciprocal()
+            if self.grad_scaler is not None:
+                _record_found_inf(self.grad_scaler, self.owner_id, flag)
+        elif self.loss_scaler is not None:
+            inv = torch.full((1,), 1.0 / self.loss_scaler.scale, dtype=torch.float32, device=self.device)
+            self.loss_scaler.update(found)
+        if found:
+            self.skipped_steps += 1
+            if found_inf is None and (self.loss_scaler is None or not self.loss_scaler.dynamic):
+                warnings.warn(f"ZeroAdamW: non-finite gradient (inf/NaN) on some rank; step skipped on every "
+                              f"rank, masters and moments unchanged ({self.skipped_steps} skipped so far)",
+                              RuntimeWarning, stacklevel=4)
+        return found, inv
+
+
+def _record_found_inf(scaler, owner_id: int, flag: Tensor) -> None:
+    """Record the group's agreed flag as this optimizer's found-inf for ``scaler.update()``
+    (GradScaler's per-optimizer record, the one torch's ShardedGradScaler fills for FSDP)."""
+    st = scaler._per_optimizer_states[owner_id]
+    dev = scaler._scale.device if scaler._scale is not None else flag.device
+    st["found_inf_per_device"] = {dev: flag.to(dev, torch.float32).reshape(())}

@@ -1,0 +1,78 @@
+"""Construction of a ZeroAdamW in the order of [Note: construction order] (config.py): read the
+model without changing it, agree with every rank, lay out the buckets (:func:`plan`); then bind
+the parameters to the buckets (:func:`bind`), the first step that changes the model."""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from .. import backends
+from ..layout import Layout, ParamInfo, build_layout, dtype_name
+from . import collectives as C
+from .agreement import check_same_everywhere, join_barrier, signature
+from .config import ZeroConfig
+from .params import HPARAM_KEYS, ModelParams, model_error, plain, read_model, resolve_groups
+
+__all__ = ["Plan", "plan", "bind"]
+
+
+class Plan(NamedTuple):
+    params: ModelParams
+    groups: list[dict]              # torch.optim param groups (Parameters + per-group overrides)
+    world: int
+    rank: int
+    device: torch.device
+    backend: str                    # resolved fused-Adam backend name
+    layout: Layout
+    units: Any                      # stage 3: [(name, module)], else None
+
+
+def plan(model: nn.Module, cfg: ZeroConfig, defaults: dict, param_groups, process_group, strategy_cls) -> Plan:
+    """Everything up to (not including) the first change to the model; raises on every rank alike."""
+    if process_group is not None and not torch.distributed.is_initialized():
+        raise ValueError("process_group was given but torch.distributed is not initialized")
+    world, rank = C.group_size(process_group), C.group_rank(process_group)
+    if rank < 0:
+        raise ValueError("this process is not a member of process_group: construct the optimizer "
+                         "only on the ranks of its data-parallel group")
+    mp = read_model(model)
+    groups, group_of, group_err = resolve_groups(param_groups, mp, defaults)
+    error = model_error(mp.trainable, cfg.param_dtype) or group_err
+    device = mp.trainable[0][1].device if mp.trainable else torch.device("cpu")
+    backend = cfg.backend
+    if error is None:
+        try:
+            backend = backends.resolve(cfg.backend, device)
+        except ValueError as e:
+            error = str(e)
+    hp = [[plain({**defaults, **g}[k]) for k in HPARAM_KEYS] for g in groups]
+    if cfg.timeout is not None and world > 1:
+        join_barrier(process_group, cfg.timeout, world)
+    check_same_everywhere(signature(mp.uniq, groups, mp.first_name, cfg.agreement_key(), hp, error),
+                          process_group, world, rank)
+    assigned = strategy_cls.assign_units(model, mp.trainable, cfg.wrap)     # [Note: stage-3 units]
+    units, unit_of = assigned if assigned is not None else (None, None)
+    infos = [ParamInfo(n, tuple(p.shape), dtype_name(cfg.param_dtype or p.dtype), group_of[id(p)],
+                       tuple(mp.aliases[id(p)])) for n, p in mp.trainable]
+    layout = build_layout(infos, world, cfg.bucket_size, cfg.alignment_bytes,
+                          unit_of=(lambda i: unit_of[i]) if unit_of is not None else None)
+    return Plan(mp, groups, world, rank, device, backend, layout, units)
+
+
+@torch.no_grad()
+def bind(p: Plan, cfg: ZeroConfig, strategy_cls, amsgrad: bool) -> list:
+    """Parameters become views of the buckets (stage 3: of buckets gathered only when needed);
+    frozen parameters are cast to ``param_dtype``. Returns the buckets."""
+    by_name = dict(p.params.trainable)
+    buckets = []
+    for bs in p.layout.buckets:
+        ps = [by_name[p.layout.params[i].name] for i in bs.params]
+        b = strategy_cls.new_bucket(p.layout, bs.index, p.rank, ps, p.device, amsgrad, cfg)
+        b.bind([x.detach() for x in ps])
+        buckets.append(b)
+    for _, x in p.params.frozen:
+        if cfg.param_dtype is not None and x.is_floating_point() and x.dtype != cfg.param_dtype:
+            x.data = x.data.to(cfg.param_dtype)
+    return buckets

@@ -1,0 +1,97 @@
+"""ZeroConfig: every constructor argument of ZeroAdamW except the model and the hyper-parameters,
+validated once, on every rank, before the model is touched.
+
+[Note: construction order]
+ZeroAdamW's constructor (1) builds a :class:`ZeroConfig` (raises on a bad argument) and validates
+the hyper-parameters (zero_kernels/hparams.py); (2) reads the model without changing it (params.py:
+names, tied parameters, groups); (3) agrees with every rank of the process group (agreement.py: one
+all-gather of a signature holding the parameter list, the config and the hyper-parameters; an
+error on any rank raises on every rank); (4) builds the layout; only then (5) binds: parameters
+become views of the flat buckets and hooks are registered. A constructor that raises therefore
+leaves the model bit-identical and hook-free.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import backends
+from .scaling import make_scaler
+from .timeouts import as_timedelta
+
+__all__ = ["ZeroConfig"]
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_bool(name: str, v: Any) -> None:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be True or False, got {v!r}")
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    stage: int = 2
+    bucket_size: int = 25 * 2**20
+    overlap_comm: bool = True
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype = torch.float32
+    backend: str = "auto"
+    alignment_bytes: int = 16
+    loss_scale: Any = None
+    growth_interval: int = 2000
+    timeout: datetime.timedelta | None = None
+    prefetch: int = 1
+    reshard_after_forward: bool = True
+    wrap: Any = None
+    gather_cache: bool = True
+    overlap_param_gather: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3) or isinstance(self.stage, bool):
+            raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
+        if self.stage == 3 and (not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool)
+                                or self.prefetch < 0):
+            raise ValueError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
+        _check_bool("gather_cache", self.gather_cache)
+        _check_bool("overlap_param_gather", self.overlap_param_gather)
+        _check_bool("overlap_comm", self.overlap_comm)
+        _check_bool("reshard_after_forward", self.reshard_after_forward)
+        if self.overlap_param_gather and self.stage == 3:
+            raise ValueError("overlap_param_gather is for stages 1 and 2: stage 3 gathers parameters in "
+                             "forward already (see prefetch=)")
+        if not isinstance(self.bucket_size, int) or isinstance(self.bucket_size, bool) or self.bucket_size <= 0:
+            raise ValueError(f"bucket_size must be a positive int (bytes), got {self.bucket_size!r}")
+        if self.param_dtype is not None and self.param_dtype not in FLOAT_DTYPES:
+            raise ValueError(f"param_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, "
+                             f"got {self.param_dtype}")
+        if self.reduce_dtype not in FLOAT_DTYPES:
+            raise ValueError(f"reduce_dtype must be a float dtype, got {self.reduce_dtype}")
+        a = self.alignment_bytes
+        if not isinstance(a, int) or a < 16 or a & (a - 1):
+            raise ValueError(f"alignment_bytes must be a power of two >= 16, got {a!r}")
+        if self.backend not in backends.BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is not one of {backends.BACKENDS}")
+        if not isinstance(self.growth_interval, int) or isinstance(self.growth_interval, bool) \
+                or self.growth_interval < 1:
+            raise ValueError(f"growth_interval must be a positive int, got {self.growth_interval!r}")
+        make_scaler(self.loss_scale, self.growth_interval)       # raises on a bad loss_scale
+        object.__setattr__(self, "timeout", as_timedelta(self.timeout))
+        _check_wrap(self.wrap)
+
+    def agreement_key(self) -> tuple:
+        """What every rank must agree on (plain data for the cross-rank signature)."""
+        return (self.stage, self.bucket_size, str(self.param_dtype), str(self.reduce_dtype), self.alignment_bytes)
+
+
+def _check_wrap(wrap) -> None:
+    if wrap is None or callable(wrap):
+        return
+    if isinstance(wrap, (list, tuple, set)) and all(isinstance(c, type) and issubclass(c, nn.Module)
+                                                    for c in wrap):
+        return
+    raise TypeError(f"wrap must be None, a callable module -> bool or a list of nn.Module classes, got {wrap!r}")

@@ -1,0 +1,87 @@
+"""Stages 1-2: the parameter all-gather after each bucket's step, optionally overlapped with the
+next forward.
+
+[Note: overlapped parameter all-gather]
+With overlap_param_gather=True (stages 1-2; Megatron's distributed optimizer has the same
+option) step() does not wait for the parameter all-gathers: it launches them in forward order
+(the last bucket holds the first layers) and returns. A forward pre-hook on every module that
+registers a parameter waits for that parameter's bucket just before the module runs, so the
+all-gather overlaps zero_grad(), data loading and the forward of earlier layers. Anything
+else that reads the parameters must call wait_for_params() first (step(), state dicts and
+checkpoints do): a parameter read outside the forward of a module registering it (e.g.
+``F.linear(x, self.emb.weight)`` in a parent's forward, or an EMA copy right after step())
+would otherwise see its value from before the step. Default off for that reason.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from . import collectives as C
+from .buckets import FlatBucket
+
+__all__ = ["ParamGatherer"]
+
+
+class ParamGatherer:
+    def __init__(self, model: nn.Module, buckets: list[FlatBucket], group, rank: int, overlap_comm: bool,
+                 overlap_param_gather: bool):
+        self.buckets = buckets
+        self.group = group
+        self.rank = rank
+        self.overlap_comm = overlap_comm
+        self.overlap_param_gather = overlap_param_gather
+        self.pending: dict[int, Any] = {}       # bucket index -> AllGatherResult in flight
+        self._stepped: list[FlatBucket] = []
+        self._in_step: list[Any] = []
+        self.handles = []
+        if overlap_param_gather:
+            index = {id(p): b.index for b in buckets for p in b.params}
+            owned: dict[nn.Module, set[int]] = {}
+            for mod in model.modules():
+                for p in mod.parameters(recurse=False):
+                    if id(p) in index:
+                        owned.setdefault(mod, set()).add(index[id(p)])
+            for mod, bis in owned.items():
+                self.handles.append(mod.register_forward_pre_hook(self._hook(sorted(bis))))
+
+    def _hook(self, bucket_indices: list[int]):
+        def hook(module, args):
+            for bi in bucket_indices:
+                g = self.pending.pop(bi, None)
+                if g is not None:
+                    C.wait(g)
+        return hook
+
+    def after_bucket_step(self, b: FlatBucket) -> None:
+        """b's slice was updated: launch its all-gather now (or, overlapped, at end_step)."""
+        if self.overlap_param_gather:
+            self._stepped.append(b)
+        else:
+            self._in_step.append(C.all_gather_bucket(b.param_flat, self.rank, self.group,
+                                                     async_op=self.overlap_comm, tag=b.index))
+
+    def end_step(self) -> None:
+        """Wait for the step's all-gathers, or leave them in flight in forward order."""
+        for b in reversed(self._stepped):
+            self.pending[b.index] = C.all_gather_bucket(b.param_flat, self.rank, self.group, async_op=True,
+                                                        tag=b.index)
+        for g in self._in_step:
+            C.wait(g)
+        self._stepped, self._in_step = [], []
+
+    def gather_all(self) -> None:
+        """Refresh every bucket's parameters from the owners' slices (after a load)."""
+        for b in self.buckets:
+            C.wait(C.all_gather_bucket(b.param_flat, self.rank, self.group, async_op=False))
+
+    def wait_for_params(self) -> None:
+        while self.pending:
+            _, g = self.pending.popitem()
+            C.wait(g)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []

@@ -1,0 +1,116 @@
+"""Reading the model without changing it: parameter names, tied parameters, trainable/frozen,
+param groups (see [Note: construction order] in config.py)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from ..hparams import validate_hparams
+from .config import FLOAT_DTYPES
+
+__all__ = ["ModelParams", "read_model", "model_error", "resolve_groups", "HPARAM_KEYS"]
+
+HPARAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+
+
+class ModelParams(NamedTuple):
+    uniq: list[tuple[str, nn.Parameter]]       # each Parameter once, under its first name
+    trainable: list[tuple[str, nn.Parameter]]
+    frozen: list[tuple[str, nn.Parameter]]
+    first_name: dict[int, str]                 # id(p) -> first name
+    aliases: dict[int, list[str]]              # id(p) -> its other names (tied weights)
+
+
+def read_model(model: nn.Module) -> ModelParams:
+    first_name: dict[int, str] = {}
+    aliases: dict[int, list[str]] = {}
+    uniq: list[tuple[str, nn.Parameter]] = []
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first_name:
+            aliases[id(p)].append(n)
+        else:
+            first_name[id(p)] = n
+            aliases[id(p)] = []
+            uniq.append((n, p))
+    trainable = [(n, p) for n, p in uniq if p.requires_grad]
+    frozen = [(n, p) for n, p in uniq if not p.requires_grad]
+    return ModelParams(uniq, trainable, frozen, first_name, aliases)
+
+
+def model_error(trainable, param_dtype) -> str | None:
+    devices = set()
+    for n, p in trainable:
+        if p.dtype not in FLOAT_DTYPES:
+            return (f"parameter {n!r} has dtype {p.dtype}: ZeRO shards float32/bfloat16/float16 "
+                    "parameters only; set requires_grad=False on it to leave it out")
+        if p.is_sparse:
+            return f"parameter {n!r} is sparse; ZeRO needs dense parameters"
+        devices.add(p.device)
+    if len(devices) > 1:
+        where = {str(d): next(n for n, p in trainable if p.device == d) for d in devices}
+        return (f"trainable parameters are on several devices {where}: move the model to one device "
+                "before constructing the optimizer")
+    if not trainable:
+        return "the model has no trainable parameters (all have requires_grad=False)"
+    return None
+
+
+def _group_params(gi: int, g: dict, mp: ModelParams, group_of: dict[int, int]):
+    """(trainable Parameters of param_groups[gi], error)."""
+    by_name = {n: p for n, p in mp.uniq}
+    trainable = {id(p): n for n, p in mp.trainable}
+    ps = []
+    for x in (list(g["params"]) if not isinstance(g["params"], Tensor) else [g["params"]]):
+        p = by_name.get(x) if isinstance(x, str) else x
+        if p is None or (id(p) not in mp.first_name):
+            what = repr(x) if isinstance(x, str) else f"a tensor of shape {tuple(x.shape)}"
+            return None, f"param_groups[{gi}] holds {what}, which is not a parameter of the model"
+        if id(p) not in trainable:
+            continue                    # frozen: silently left out, like the default group
+        if id(p) in group_of:
+            return None, (f"parameter {trainable[id(p)]!r} appears in param_groups[{group_of[id(p)]}] and "
+                          f"param_groups[{gi}]; each parameter must be in exactly one group")
+        group_of[id(p)] = gi
+        ps.append(p)
+    return ps, None
+
+
+def resolve_groups(param_groups, mp: ModelParams, defaults: dict):
+    """(groups as torch.optim param_group dicts of Parameters, group index per parameter id, error)."""
+    if param_groups is None:
+        return [{"params": [p for _, p in mp.trainable]}], {id(p): 0 for _, p in mp.trainable}, None
+    out, group_of = [], {}
+    for gi, g in enumerate(param_groups):
+        if not isinstance(g, dict) or "params" not in g:
+            return [], {}, f"param_groups[{gi}] must be a dict with a 'params' list"
+        ps, err = _group_params(gi, g, mp, group_of)
+        if err:
+            return [], {}, err
+        extra = {k: v for k, v in g.items() if k != "params"}
+        unknown = set(extra) - set(HPARAM_KEYS)
+        if unknown:
+            return [], {}, f"param_groups[{gi}] has unknown keys {sorted(unknown)}"
+        h = {**defaults, **extra}
+        try:
+            validate_hparams(h["lr"], h["betas"], h["eps"], h["weight_decay"], where=f" in param_groups[{gi}]")
+        except ValueError as e:
+            return [], {}, str(e)
+        if not ps:
+            return [], {}, f"param_groups[{gi}] holds no trainable parameter; remove it"
+        out.append({"params": ps, **extra})
+    missing = [n for n, p in mp.trainable if id(p) not in group_of]
+    if missing:
+        return [], {}, (f"trainable parameter {missing[0]!r} (and {len(missing) - 1} more) is in no param "
+                        "group: add it to one, or set requires_grad=False on it")
+    return out, group_of, None
+
+
+def plain(v):
+    """A hyper-parameter as plain data (a one-element Tensor as a float; tuples as lists)."""
+    if isinstance(v, torch.Tensor):
+        return float(v.reshape(()).item())
+    if isinstance(v, (tuple, list)):
+        return [plain(x) for x in v]
+    return v

@@ -1,0 +1,89 @@
+"""State dicts of a ZeroAdamW: this rank's shard (``state_dict`` / ``load_state_dict``) and the
+full model (``full_model_state_dict``). Resharding checkpoints are zero_kernels/checkpoint.py.
+
+[Note: shard state dict]
+A shard holds, per bucket, this rank's fp32 slices (master, exp_avg, exp_avg_sq, and
+max_exp_avg_sq with amsgrad), per parameter its step count, the groups' hyper-parameters and the
+layout (plain data) with its fingerprint. It loads only into the same rank of the same layout;
+everything is checked (and the restored hyper-parameters validated, hparams.py) before anything
+changes.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..hparams import validate_hparams
+from ..state_keys import keyed_state
+from .buckets import FlatBucket
+from ..layout import Layout
+
+__all__ = ["SHARD_FORMAT", "SHARD_VERSION", "shard_state_dict", "check_shard", "apply_shard",
+           "full_model_state_dict"]
+
+SHARD_FORMAT = "zero_kernels.zero/shard"
+SHARD_VERSION = 1
+
+
+def shard_state_dict(stage: int, rank: int, world: int, layout: Layout, steps: Sequence[int],
+                     param_groups: list[dict], buckets: Sequence[FlatBucket]) -> dict[str, Any]:
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
+    return {"format": SHARD_FORMAT, "version": SHARD_VERSION, "stage": stage, "rank": rank, "world_size": world,
+            "layout_fingerprint": layout.fingerprint(), "layout": layout.to_dict(), "steps": list(steps),
+            "param_groups": groups,
+            "state": [{k: t.detach().clone() for k, t in b.state_tensors().items()} for b in buckets]}
+
+
+def check_shard(sd: dict[str, Any], layout: Layout, world: int, rank: int, buckets: Sequence[FlatBucket],
+                param_groups: list[dict]) -> None:
+    """Raise ValueError when ``sd`` cannot be loaded here (nothing has changed yet)."""
+    if not isinstance(sd, dict) or sd.get("format") != SHARD_FORMAT:
+        raise ValueError("not a ZeroAdamW shard (missing format tag); a torch.optim state dict cannot "
+                         "be loaded here: use full_model_state_dict()/checkpoint tools")
+    if sd.get("version") != SHARD_VERSION:
+        raise ValueError(f"shard format version {sd.get('version')} is not supported "
+                         f"(this build reads version {SHARD_VERSION})")
+    fp, mine = sd.get("layout_fingerprint"), layout.fingerprint()
+    if fp != mine or sd.get("world_size") != world:
+        raise ValueError(
+            f"this shard was saved with layout {fp} (world size {sd.get('world_size')}, rank {sd.get('rank')}) "
+            f"but this optimizer's layout is {mine} (world size {world}): the model, param groups, "
+            "bucket_size, param_dtype and world size must match; to change them, reshard a full checkpoint instead")
+    if sd.get("rank") != rank:
+        raise ValueError(f"this shard belongs to rank {sd.get('rank')}, but this is rank {rank}: load each "
+                         "rank's own shard")
+    for b, st in zip(buckets, sd["state"]):
+        for k, t in b.state_tensors().items():
+            if k not in st or st[k].shape != t.shape:
+                raise ValueError(f"shard bucket {b.index}: missing or mis-shaped {k!r}")
+    for gi, (g, saved) in enumerate(zip(param_groups, sd["param_groups"])):
+        h = {**g, **saved}
+        validate_hparams(h["lr"], h["betas"], h["eps"], h["weight_decay"], where=f" in param_groups[{gi}]")
+
+
+def apply_shard(sd: dict[str, Any], buckets: Sequence[FlatBucket], param_groups: list[dict]) -> list[int]:
+    """Copy a checked shard into the buckets and groups; returns the step counts."""
+    for b, st in zip(buckets, sd["state"]):
+        for k, t in b.state_tensors().items():
+            t.copy_(st[k])
+        if not b.master_is_param:
+            b.owned_params.copy_(b.master)
+    for g, saved in zip(param_groups, sd["param_groups"]):
+        for k, v in saved.items():
+            g[k] = tuple(v) if k == "betas" else v
+    return list(sd["steps"])
+
+
+def full_model_state_dict(buckets: Sequence[FlatBucket], module: nn.Module,
+                          full_flat: Callable[[FlatBucket], Tensor]) -> dict[str, Tensor]:
+    """Trainable parameters as their fp32 masters (tied names each point at the same values),
+    frozen parameters and buffers as the module holds them."""
+    full: dict[str, Tensor] = {}
+    for b in buckets:
+        flat = full_flat(b)
+        for ps in b.param_specs:
+            full[ps.name] = flat[ps.offset:ps.offset + ps.numel].view(ps.shape).clone()
+    # joined by parameter identity, not by name ([Note: state-dict keys]): wrappers rename keys
+    return {k: full[ps.name] if ps is not None else v.detach().clone() for k, ps, v in keyed_state(module, buckets)}

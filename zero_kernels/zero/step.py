@@ -1,0 +1,88 @@
+"""The per-bucket fused step and the global gradient norm, as functions over buckets.
+
+[Note: the ZeRO step]
+At ``step()`` (after backward):
+  stage 1: each bucket's full gradient is reduce-scattered (average, ``reduce_dtype``) into this
+           rank's slice ([Note: stage-1 reduction] in reduce.py); stages 2-3: the hooks already
+           launched those reduce-scatters during backward ([Note: stage-2 gradient flow] in
+           hooks.py) and step() only waits.
+  then, bucket by bucket in order: wait for its reduced slice, run the fused-Adam contract on the
+  slice (:func:`step_bucket`: fp32 master, exp_avg, exp_avg_sq; grad_scale = the clip coefficient
+  over the loss scale, so clipping and unscaling cost no extra pass), write the 16-bit parameter
+  slice (or update fp32 parameters in place: their slice *is* the master), and launch that
+  bucket's all-gather (gather.py), which writes straight into the module's parameters (they are
+  views of the bucket). Later buckets' steps overlap earlier buckets' all-gathers.
+
+Per-parameter semantics follow torch.optim.AdamW: a parameter whose gradient is None on every rank
+is not updated and its step count does not advance ("had a gradient" is all-reduced with MAX, so
+a parameter used on one rank only is updated everywhere). The slice of a bucket is therefore split
+into runs of parameter pieces with the same step count (:func:`param_runs`; normally one run).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..hparams import as_float, scalar_lr
+from ..reference import compute_coeffs
+from . import collectives as C
+from .buckets import FlatBucket
+
+__all__ = ["param_runs", "step_bucket", "global_norm"]
+
+
+def param_runs(b: FlatBucket, active: Tensor, steps: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(start, end, step) ranges of b's slice: consecutive active pieces with one step count."""
+    runs: list[list[int]] = []
+    for pc in b.pieces:
+        if not active[pc.param]:
+            continue
+        st = steps[pc.param]
+        if runs and runs[-1][1] == pc.start and runs[-1][2] == st:
+            runs[-1][1] = pc.start + pc.numel
+        else:
+            runs.append([pc.start, pc.start + pc.numel, st])
+    return [tuple(r) for r in runs]
+
+
+def step_bucket(b: FlatBucket, group: dict, active: Tensor, steps: Sequence[int], scale: Tensor,
+                fused: Callable, adamw: bool, device: torch.device) -> None:
+    """One fused-Adam call over the active runs of b's slice (hyper-parameters of ``group``)."""
+    runs = param_runs(b, active, steps)
+    if not runs:
+        return
+    beta1, beta2 = (as_float(x) for x in group["betas"])
+    sl = [slice(s, e) for s, e, _ in runs]
+    grad, st = b.reduce.grad_slice, b.optim
+    vmax = [st.max_exp_avg_sq[x] for x in sl] if group["amsgrad"] else None
+    p16 = None if b.master_is_param else [b.owned_params[x] for x in sl]
+    counts = torch.tensor([s for _, _, s in runs], dtype=torch.float64)
+    coeffs = compute_coeffs(counts, scalar_lr(group["lr"]), beta1, beta2, group["weight_decay"], adamw,
+                            device=device)
+    fused([b.master[x] for x in sl], [grad[x] for x in sl], [st.exp_avg[x] for x in sl],
+          [st.exp_avg_sq[x] for x in sl], vmax, p16, coeffs, beta1=beta1, beta2=beta2, eps=group["eps"],
+          weight_decay=group["weight_decay"], adamw=adamw, maximize=group["maximize"], grad_scale=scale)
+
+
+def global_norm(buckets: Sequence[FlatBucket], rank: int, norm_type: float, process_group,
+                device: torch.device) -> Tensor:
+    """The norm of the whole reduced gradient: every rank's slices, tied parameters once, no
+    padding (one all-reduce; fp32, a 0-d tensor on ``device``)."""
+    acc = torch.zeros((), dtype=torch.float32, device=device)
+    for b in buckets:
+        if b.reduce.grad_slice is None:
+            continue
+        s, e = b.spec.data_bounds(rank)
+        g = b.reduce.grad_slice[: e - s].float()
+        if g.numel() == 0:
+            continue
+        acc = torch.maximum(acc, g.abs().max()) if math.isinf(norm_type) else acc + g.abs().pow(norm_type).sum()
+    if math.isinf(norm_type):
+        C.all_reduce_tensor(acc, op=dist.ReduceOp.MAX, group=process_group)
+        return acc
+    C.all_reduce_tensor(acc, op=dist.ReduceOp.SUM, group=process_group)
+    return acc.pow(1.0 / norm_type)

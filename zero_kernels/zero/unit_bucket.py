@@ -1,0 +1,128 @@
+"""ZeRO-3 storage: a unit bucket holds its full parameter buffer only while gathered.
+
+[Note: stage-3 storage]
+Per bucket, persistently: ``shard`` (this rank's ``shard_numel`` slice of the working parameters:
+the fused step writes it; for fp32 parameters it *is* the master) and the fp32 optimizer slices.
+The full flat buffer ``param_flat`` keeps one storage for the life of the optimizer; freeing
+resizes that storage to 0 bytes (``untyped_storage().resize_(0)``) AND points every parameter's
+``.data`` at an empty tensor (so the module holds no full storage and a stray read fails with a
+shape error instead of reading freed memory). Gathering resizes the storage back, copies the shard
+into its slice, all-gathers, and points ``.data`` back at views of the buffer. The Parameter
+objects never change. Resizing the *same* storage (as FSDP2 does) matters for autograd: tensors
+saved in forward that are views of a parameter (``weight.t()`` in ``F.linear``) point into that
+storage; they do not keep the memory alive while freed, and are valid again once re-gathered.
+On CPU with ``gather_cache=True`` that storage allocates from the gather cache ([Note: the gather
+cache] in csrc/block_cache.cpp): the freed block is kept for the next gather instead of being
+page-faulted in again (at most ``Stage3.cache_limit`` bytes: the gathered working set).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from .. import _ext
+from . import collectives as C
+from .buckets import FlatBucket, OptimState, fill_flat, master_from_originals
+
+__all__ = ["UnitBucket", "gather_cache_stats", "empty_gather_cache", "cache_module", "FREE", "GATHERING",
+           "GATHERED"]
+
+FREE, GATHERING, GATHERED = 0, 1, 2
+
+
+def cache_module():
+    """The C++ extension when it has the gather cache ([Note: the gather cache] in
+    csrc/block_cache.cpp), else None (then gathered buffers come from torch's allocator)."""
+    mod = _ext.cpu_module()
+    return mod if mod is not None and hasattr(mod, "cached_empty") else None
+
+
+def _full_buffer(numel: int, dtype: torch.dtype, device: torch.device, cached: bool) -> Tensor:
+    """A unit bucket's full parameter buffer. On CPU with ``cached``, its storage allocates from the
+    gather cache, so the resize_(0) / resize_(n) of every free / gather reuses a block instead of
+    page-faulting a fresh one in (GPUs get the same from the CUDA caching allocator)."""
+    if cached and device.type == "cpu":
+        mod = cache_module()
+        if mod is not None:
+            return mod.cached_empty(numel, dtype)
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def gather_cache_stats() -> dict[str, int]:
+    """Process-wide gather cache counters (all zero when the extension is unavailable)."""
+    mod = cache_module()
+    if mod is None:
+        return {"cached_bytes": 0, "live_bytes": 0, "limit_bytes": 0, "hits": 0, "misses": 0}
+    return dict(mod.cache_stats())
+
+
+def empty_gather_cache() -> None:
+    mod = cache_module()
+    if mod is not None:
+        mod.cache_empty()
+
+
+class UnitBucket(FlatBucket):
+    """A FlatBucket whose full parameter buffer exists only while gathered ([Note: stage-3 storage])."""
+
+    def __init__(self, *args, use_gather_cache: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.use_gather_cache = use_gather_cache      # ZeroAdamW(gather_cache=...)
+
+    def bind(self, originals: Sequence[Tensor]) -> None:
+        """The binding code of FlatBucket (buckets.py); only the shard stays resident."""
+        flat = _full_buffer(self.spec.padded_numel, self.dtype, self.device, self.use_gather_cache).zero_()
+        fill_flat(flat, originals, self.offsets)
+        self.shard = flat[self.slice_start:self.slice_end].clone()
+        if self.master_is_param:
+            self.master = self.shard                         # the fp32 parameter slice IS the master
+        else:
+            self.master = master_from_originals(self.spec, self.pieces, originals, self.device)
+        self.param_flat = flat
+        self.optim = OptimState(self.spec.shard_numel, self.device, self.amsgrad)
+        self.gather_state = GATHERED
+        self.ag = None                                       # AllGatherResult in flight
+        self.s3_arrived: set[int] = set()                    # params with a gradient this backward
+        self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.free()
+
+    @property
+    def owned_params(self) -> Tensor:
+        return self.shard
+
+    @property
+    def full_bytes(self) -> int:
+        return self.spec.padded_numel * self.param_flat.element_size()
+
+    def held_bytes(self) -> int:
+        return self.param_flat.untyped_storage().nbytes()
+
+    def start_gather(self, rank: int, group, async_op: bool, tag: Any) -> bool:
+        if self.gather_state != FREE:
+            return False
+        flat = self.param_flat
+        flat.untyped_storage().resize_(self.full_bytes)
+        flat[self.slice_start:self.slice_end].copy_(self.shard)
+        self.ag = C.all_gather_bucket(flat, rank, group, async_op=async_op, tag=tag)
+        self.gather_state = GATHERING
+        return True
+
+    def finish_gather(self) -> None:
+        if self.gather_state == GATHERING:
+            C.wait(self.ag)
+            self.ag = None
+            self.point_params_at(self.param_flat)
+            self.gather_state = GATHERED
+
+    def free(self) -> None:
+        if self.gather_state == FREE:
+            return
+        if self.gather_state == GATHERING:
+            C.wait(self.ag)
+            self.ag = None
+        for p in self.params:
+            p.data = self._empty
+        self.param_flat.untyped_storage().resize_(0)
+        self.gather_state = FREE

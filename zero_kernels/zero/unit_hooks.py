@@ -1,0 +1,244 @@
+"""ZeRO-3 runtime: forward/backward module hooks that gather, prefetch and free units
+([Note: stage-3 hooks] in stage3.py)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.autograd import Variable
+
+from .unit_bucket import FREE, UnitBucket, cache_module
+
+__all__ = ["UnitRuntime"]
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _Unit:
+    def __init__(self, index: int, name: str, module: nn.Module, buckets: list[UnitBucket]):
+        self.index, self.name, self.module, self.buckets = index, name, module, buckets
+        self.bwd_seen = False                 # pre-backward ran in the current backward
+
+
+class UnitRuntime:
+    """The module hooks of stage 3 over its units (see [Note: stage-3 hooks] in stage3.py)."""
+
+    def __init__(self, units: list[tuple[str, nn.Module]], buckets: list[UnitBucket], group, rank: int,
+                 prefetch: int, reshard_after_forward: bool, end_backward: Callable[[], None]):
+        self.group = group
+        self.rank = rank
+        self.prefetch = prefetch
+        self.reshard_after_forward = reshard_after_forward
+        self.end_backward = end_backward      # the reducer's end-of-backward work
+        self.units = [_Unit(i, n, m, [b for b in buckets if b.spec.unit == i])
+                      for i, (n, m) in enumerate(units)]
+        # Gather cache limit: the gathered working set (root + current + prefetched + the unit
+        # kept for backward), so every gather of a step can reuse a block and nothing more is kept.
+        unit_bytes = [sum(b.full_bytes for b in u.buckets) for u in self.units]
+        largest = max(unit_bytes[1:], default=0)
+        self.cache_limit = unit_bytes[0] + (2 + prefetch) * largest
+        mod = cache_module() if any(b.use_gather_cache for b in buckets) else None
+        if mod is not None:
+            mod.cache_set_limit(max(self.cache_limit, mod.cache_stats()["limit_bytes"]))
+        self.handles = []
+        for u in self.units:
+            if u.buckets or u.index == 0:
+                self.handles.append(u.module.register_forward_pre_hook(self._pre_forward_hook(u)))
+                self.handles.append(u.module.register_forward_hook(self._post_forward_hook(u)))
+        # sequences (unit indices, with repeats) recorded in the first forward / backward
+        self.fwd_seq: list[int] | None = None
+        self.fwd_post_seq: list[int] | None = None
+        self.bwd_seq: list[int] | None = None
+        self._rec_fwd: list[int] = []
+        self._rec_post: list[int] = []
+        self._rec_bwd: list[int] = []
+        self._fwd_pos = 0
+        self._bwd_pos = 0
+        self._last_unit: int | None = None    # last unit of the forward: kept for backward
+        self._in_forward = False
+        self._final_queued = False
+        self.gathered_bytes = 0
+        self.peak_gathered_bytes = 0
+        self.peak_gathered_units = 0
+        self.num_gathers = 0
+
+    # ---- gather / free ----------------------------------------------------------------------------
+    def _start(self, u: _Unit, async_op: bool = True) -> None:
+        for b in u.buckets:
+            if b.start_gather(self.rank, self.group, async_op, ("unit", u.index, b.index)):
+                self.num_gathers += 1
+                self.gathered_bytes += b.full_bytes
+        if self.gathered_bytes > self.peak_gathered_bytes:
+            self.peak_gathered_bytes = self.gathered_bytes
+        n = sum(1 for x in self.units if any(b.gather_state != FREE for b in x.buckets))
+        self.peak_gathered_units = max(self.peak_gathered_units, n)
+
+    def _ensure(self, u: _Unit) -> None:
+        self._start(u)
+        for b in u.buckets:
+            b.finish_gather()
+
+    def free(self, b: UnitBucket) -> None:
+        if b.gather_state != FREE:
+            b.free()
+            self.gathered_bytes -= b.full_bytes
+
+    def _free_unit(self, u: _Unit) -> None:
+        for b in u.buckets:
+            self.free(b)
+
+    def free_all(self) -> None:
+        for u in self.units:
+            self._free_unit(u)
+
+    def _prefetch(self, seq: list[int] | None, pos: int) -> None:
+        if not seq or self.prefetch <= 0:
+            return
+        issued, seen = 0, set()
+        for ui in seq[pos + 1:]:
+            if issued >= self.prefetch:
+                break
+            if ui in seen:
+                continue
+            seen.add(ui)
+            u = self.units[ui]
+            if not u.buckets:
+                continue
+            self._start(u)
+            issued += 1
+
+    @staticmethod
+    def _advance(seq: list[int] | None, pos: int, ui: int) -> int:
+        """Position of unit ui in seq at or after pos (resynchronise), or -1."""
+        if not seq:
+            return -1
+        for j in range(pos, len(seq)):
+            if seq[j] == ui:
+                return j
+        return -1
+
+    # ---- forward hooks ----------------------------------------------------------------------------
+    def _pre_forward_hook(self, u: _Unit):
+        def hook(module, args):
+            if _in_backward():                        # checkpoint recomputation
+                self._ensure(u)
+                return None
+            if u.index == 0:
+                self._in_forward = True
+                self._fwd_pos = 0
+                self._rec_fwd, self._rec_post = [], []
+            if self._in_forward:
+                self._rec_fwd.append(u.index)
+                j = self._advance(self.fwd_seq, self._fwd_pos, u.index)
+                self._ensure(u)
+                if j >= 0:
+                    self._prefetch(self.fwd_seq, j)
+                    self._fwd_pos = j + 1
+            else:
+                self._ensure(u)
+            return None
+        return hook
+
+    def _post_forward_hook(self, u: _Unit):
+        def hook(module, args, output):
+            if _in_backward():
+                return None
+            needs_grad = False
+            if torch.is_grad_enabled():
+                for t in _grad_tensors(output):
+                    t.register_hook(self._pre_backward_hook(u))
+                    needs_grad = True
+            if self._in_forward:
+                self._rec_post.append(u.index)
+            keep_last = needs_grad and self._in_forward and u.index == self._last_unit
+            if u.index == 0:
+                self._in_forward = False
+                if self.fwd_seq is None:
+                    self.fwd_seq, self.fwd_post_seq = self._rec_fwd, self._rec_post
+                    rest = [i for i in self._rec_post if i != 0]
+                    self._last_unit = rest[-1] if rest else None
+                if self.reshard_after_forward:
+                    for x in self.units[1:]:          # also prefetched units that did not run
+                        if not (needs_grad and x.index == self._last_unit):
+                            self._free_unit(x)
+                    if not needs_grad:
+                        self._free_unit(u)
+            elif self.reshard_after_forward and not keep_last:
+                self._free_unit(u)
+            return None
+        return hook
+
+    # ---- backward -----------------------------------------------------------------------------------
+    def ensure_final_callback(self) -> None:
+        if not self._final_queued:
+            self._final_queued = True
+            self._bwd_pos = 0
+            self._rec_bwd = []
+            Variable._execution_engine.queue_callback(self._post_backward)
+
+    def _pre_backward_hook(self, u: _Unit):
+        def hook(grad):
+            with torch.no_grad():
+                self.ensure_final_callback()
+                self._ensure(u)
+                if not u.bwd_seen:
+                    u.bwd_seen = True
+                    self._rec_bwd.append(u.index)
+                    seq = self.bwd_seq
+                    if seq is None and self.fwd_post_seq:
+                        seq = self.fwd_post_seq[::-1]
+                    j = self._advance(seq, self._bwd_pos, u.index)
+                    if j >= 0:
+                        self._prefetch(seq, j)
+                        self._bwd_pos = j + 1
+            return None
+        return hook
+
+    def _post_backward(self) -> None:
+        with torch.no_grad():
+            self.end_backward()
+            self._final_queued = False
+            if self.bwd_seq is None and self._rec_bwd:
+                self.bwd_seq = self._rec_bwd
+            for u in self.units:
+                u.bwd_seen = False
+                for b in u.buckets:
+                    b.s3_arrived.clear()
+            self.free_all()
+
+    def gather_all(self) -> None:
+        """Gather every unit (collective: all-gathers issued for all, then waited)."""
+        for u in self.units:
+            self._start(u, async_op=True)
+        for u in self.units:
+            for b in u.buckets:
+                b.finish_gather()
+
+    def reset_peak(self) -> None:
+        self.peak_gathered_bytes = self.gathered_bytes
+        self.peak_gathered_units = sum(1 for x in self.units if any(b.gather_state != FREE for b in x.buckets))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def _grad_tensors(output) -> list[Tensor]:
+    out = []
+
+    def visit(x):
+        if isinstance(x, Tensor):
+            if x.requires_grad:
+                out.append(x)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                visit(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                visit(y)
+    visit(output)
+    return out

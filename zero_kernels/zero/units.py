@@ -1,0 +1,92 @@
+"""ZeRO-3 sharding units: which modules gather and free their parameters together.
+
+[Note: stage-3 units]
+A *unit* is a module whose parameters are gathered and freed together. ``wrap=None`` (default): the
+root's direct children (looking through ``nn.ModuleList`` / ``nn.ModuleDict``, which have no
+forward) that hold parameters are units; ``wrap`` may instead be a callable ``module -> bool`` or a
+list of module classes (every non-root module it selects is a unit; units may nest). The root is
+always unit 0 and owns every parameter not inside another unit. A parameter belongs to the
+innermost unit enclosing the module that registers it. Buckets never span units
+(``build_layout(unit_of=...)``, ``BucketSpec.unit``): a unit is one bucket per (param group, dtype)
+or several when larger than ``bucket_size``, so the per-bucket state (``master``, ``exp_avg``,
+``exp_avg_sq``, ``max_exp_avg_sq``: ``shard_numel`` each), the step count per parameter, ``state_dict()``
+and ``full_model_state_dict()`` are the same code for every stage.
+
+Tied parameters: a parameter registered under modules of two different units (embedding + output
+head) belongs to the ROOT unit, which is gathered at the start of forward and stays gathered until
+its gradients are complete (the end of backward): both users see it. Frozen parameters
+(``requires_grad=False``) are not sharded: they stay replicated, full-size, on every rank (cast to
+``param_dtype`` when one is given), like in stages 1-2. A parameter used *outside* the forward of
+its unit (e.g. ``F.linear(x, self.emb.weight)`` in the root while ``emb`` is a unit) must be
+registered there too (then it is tied: root unit) or the unit chosen with ``wrap``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from torch import nn
+
+__all__ = ["assign_units"]
+
+
+def _unit_modules(model: nn.Module, wrap) -> list[tuple[str, nn.Module]]:
+    if wrap is None:
+        out = []
+
+        def visit(prefix: str, mod: nn.Module) -> None:
+            for name, child in mod.named_children():
+                path = prefix + name
+                if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                    visit(path + ".", child)
+                elif any(True for _ in child.parameters()):
+                    out.append((path, child))
+        visit("", model)
+        seen, uniq = set(), []
+        for n, m in out:
+            if id(m) not in seen:
+                seen.add(id(m))
+                uniq.append((n, m))
+        return uniq
+    if isinstance(wrap, (list, tuple, set)):
+        classes = tuple(wrap)
+        if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+            raise TypeError(f"wrap must be None, a callable module -> bool or a list of nn.Module classes, "
+                            f"got {wrap!r}")
+        pred: Callable[[nn.Module], bool] = lambda m: isinstance(m, classes)  # noqa: E731
+    elif callable(wrap):
+        pred = wrap
+    else:
+        raise TypeError(f"wrap must be None, a callable module -> bool or a list of nn.Module classes, got {wrap!r}")
+    out = []
+    for n, m in model.named_modules():
+        if n and pred(m):
+            if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+                raise ValueError(f"wrap selected {n!r}, a {type(m).__name__}: it has no forward, so it cannot "
+                                 "gather its parameters; select its children instead")
+            out.append((n, m))
+    return out
+
+
+def assign_units(model: nn.Module, trainable: Sequence[tuple[str, nn.Parameter]], wrap=None):
+    """Returns (units, unit_of): units = [(name, module)] with the root first ("" , model);
+    unit_of[i] = unit of trainable[i] (see [Note: stage-3 units])."""
+    units = [("", model)] + _unit_modules(model, wrap)
+    ids = {id(m): i for i, (_, m) in enumerate(units)}
+    unit_paths: dict[str, int] = {}
+    for path, m in model.named_modules(remove_duplicate=False):
+        if path and id(m) in ids:
+            unit_paths[path] = ids[id(m)]
+    owners: dict[int, set[int]] = {}
+    for path, m in model.named_modules(remove_duplicate=False):
+        best, best_len = 0, -1
+        for up, ui in unit_paths.items():
+            if (path == up or path.startswith(up + ".")) and len(up) > best_len:
+                best, best_len = ui, len(up)
+        for p in m._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), set()).add(best)
+    unit_of = []
+    for _, p in trainable:
+        o = owners.get(id(p), {0})
+        unit_of.append(next(iter(o)) if len(o) == 1 else 0)   # tied across units -> root
+    return units, unit_of
