@@ -416,3 +416,34 @@ def test_stage3_overlap_comm_honoured():
         out[overlap] = opt.full_model_state_dict()
     assert issued_early[True] > 0 and issued_early[False] == 0, issued_early
     assert all(torch.equal(out[True][k], out[False][k]) for k in out[True])
+
+
+def _zero_grad_case(rank, world, stage, out):
+    torch.manual_seed(0)
+    results = []
+    for use_model in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.GELU(), torch.nn.Linear(13, 3))
+        zopt = zk.ZeroAdamW(model, stage=stage, lr=1e-2)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(4):
+            model(torch.randn(5, 7, generator=g)).square().mean().backward()
+            zopt.step()
+            (model.zero_grad if use_model else zopt.zero_grad)()
+        results.append(zopt.full_model_state_dict())
+        zopt.remove_hooks()
+    if rank == 0:
+        torch.save(results, out)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_model_zero_grad_clears_zero_gradients_world2(stage, tmp_path):
+    """Loops that call model.zero_grad() (Hugging Face's Trainer does) instead of zopt.zero_grad()
+    train exactly the same: at stages 2-3 step() consumes the reduced gradient shards, which
+    model.zero_grad() cannot reach (they used to accumulate across steps, silently)."""
+    out = str(tmp_path / "r.pt")
+    run_world(_zero_grad_case, 2, stage, out, timeout=180)
+    a, b = torch.load(out)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

@@ -205,7 +205,12 @@ class HookReduced:
         return active
 
     def finish_step(self) -> None:
-        pass
+        # [Note: step() consumes the reduced gradients] At stages 2-3 the gradients live in the
+        # optimizer's slices, not in p.grad, so model.zero_grad() (what Hugging Face's Trainer and many
+        # loops call) cannot clear them: they would silently accumulate across steps. As DeepSpeed's
+        # engine does, the step consumes them (zero_grad(set_to_none=True) semantics; the storage is
+        # kept for the next backward). Micro-batches between two steps still accumulate.
+        self.zero_grad(set_to_none=True)
 
     def comm_bytes(self) -> int:
         return self.reducer.pool_bytes()
