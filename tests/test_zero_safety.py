@@ -447,3 +447,43 @@ def test_model_zero_grad_clears_zero_gradients_world2(stage, tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def _different_seeds_case(rank, world, stage, out):
+    torch.manual_seed(100 + rank)                      # every rank initialises its own model
+    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.LayerNorm(13), torch.nn.Linear(13, 3))
+    model.register_buffer("count", torch.full((2,), float(rank)))
+    zopt = zk.ZeroAdamW(model, stage=stage, lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(5, 7, generator=g) for _ in range(3)]
+    for x in xs:
+        model(x).square().mean().backward()
+        zopt.step()
+        zopt.zero_grad()
+    full = zopt.full_model_state_dict()
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, (full, xs))
+    if rank == 0:
+        torch.save(gathered, out)
+    zopt.remove_hooks()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_ranks_start_from_rank0_model_world2(stage, tmp_path):
+    """Issue 13.14: ranks that initialised differently train rank 0's model (as DDP broadcasts at
+    construction), equal to one process running AdamW from rank 0's initialisation on all batches."""
+    out = str(tmp_path / "r.pt")
+    run_world(_different_seeds_case, 2, stage, out, timeout=180)
+    (full0, xs0), (full1, xs1) = torch.load(out)
+    for k in full0:
+        assert torch.equal(full0[k], full1[k]), k
+    assert torch.equal(full0["count"], torch.zeros(2))                 # rank 0's buffer everywhere
+    torch.manual_seed(100)
+    ref = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.LayerNorm(13), torch.nn.Linear(13, 3))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for x0, x1 in zip(xs0, xs1):
+        ((ref(x0).square().mean() + ref(x1).square().mean()) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full0[k], v, rtol=1e-5, atol=1e-6)

@@ -14,6 +14,7 @@ from . import collectives as C
 from .agreement import check_same_everywhere, join_barrier, signature
 from .config import ZeroConfig
 from .params import HPARAM_KEYS, ModelParams, model_error, plain, read_model, resolve_groups
+from .timeouts import timeout_scope
 
 __all__ = ["Plan", "plan", "bind"]
 
@@ -27,6 +28,8 @@ class Plan(NamedTuple):
     backend: str                    # resolved fused-Adam backend name
     layout: Layout
     units: Any                      # stage 3: [(name, module)], else None
+    model: nn.Module
+    group: Any                      # the process group (None: the default group)
 
 
 def plan(model: nn.Module, cfg: ZeroConfig, defaults: dict, param_groups, process_group, strategy_cls) -> Plan:
@@ -58,13 +61,18 @@ def plan(model: nn.Module, cfg: ZeroConfig, defaults: dict, param_groups, proces
                        tuple(mp.aliases[id(p)])) for n, p in mp.trainable]
     layout = build_layout(infos, world, cfg.bucket_size, cfg.alignment_bytes,
                           unit_of=(lambda i: unit_of[i]) if unit_of is not None else None)
-    return Plan(mp, groups, world, rank, device, backend, layout, units)
+    return Plan(mp, groups, world, rank, device, backend, layout, units, model, process_group)
 
 
 @torch.no_grad()
 def bind(p: Plan, cfg: ZeroConfig, strategy_cls, amsgrad: bool) -> list:
     """Parameters become views of the buckets (stage 3: of buckets gathered only when needed);
-    frozen parameters are cast to ``param_dtype``. Returns the buckets."""
+    frozen parameters are cast to ``param_dtype``. Returns the buckets.
+
+    First every rank takes group rank 0's parameters and buffers (as DDP does at construction): ranks
+    that initialised differently (another seed) would otherwise train a mixture of their models."""
+    with timeout_scope(cfg.timeout, p.group):
+        C.broadcast_from_first([x.data for _, x in p.params.uniq] + [b for b in p.model.buffers()], p.group)
     by_name = dict(p.params.trainable)
     buckets = []
     for bs in p.layout.buckets:

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from .timeouts import CollectiveTimeoutError, current_timeout, timeout_scope, wait_work
 
-__all__ = ["ReduceScatterResult", "AllGatherResult", "reduce_scatter_bucket", "all_gather_bucket",
+__all__ = ["ReduceScatterResult", "AllGatherResult", "broadcast_from_first", "reduce_scatter_bucket", "all_gather_bucket",
            "all_reduce_tensor", "wait", "TRACE", "group_rank", "group_size", "timeout_scope",
            "wait_work", "CollectiveTimeoutError", "current_timeout", "device_for_backend", "comm_device",
            "flag_tensor"]
@@ -304,6 +304,28 @@ def all_reduce_tensor(t: Tensor, op=dist.ReduceOp.SUM, group=None, async_op: boo
         wait_work(dist.all_reduce(t, op=op, group=group, async_op=True), "all_reduce")
         return None
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+
+
+@torch.no_grad()
+def broadcast_from_first(tensors: list[Tensor], group=None) -> None:
+    """Overwrite ``tensors`` on every rank with group rank 0's values (what DDP does to parameters and
+    buffers at construction): one broadcast per (device, dtype), through a flat copy on the group's
+    device. Bounded by the enclosing ``timeout_scope``."""
+    if group_size(group) == 1:
+        return
+    by_kind: dict[tuple, list[Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_kind.setdefault((t.device, t.dtype), []).append(t)
+    for (device, _), ts in by_kind.items():
+        _trace("broadcast", None)
+        flat = torch.cat([t.detach().reshape(-1) for t in ts]).to(comm_device(group, device))
+        work = dist.broadcast(flat, src=_peer(group, 0), group=group, async_op=True)
+        wait_work(work, "broadcast") if current_timeout() is not None else work.wait()
+        off = 0
+        for t in ts:
+            t.copy_(flat[off:off + t.numel()].view_as(t))
+            off += t.numel()
 
 
 def wait(result) -> Tensor | None:
