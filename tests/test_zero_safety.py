@@ -487,3 +487,35 @@ def test_ranks_start_from_rank0_model_world2(stage, tmp_path):
         opt.zero_grad()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(full0[k], v, rtol=1e-5, atol=1e-6)
+
+
+def _moved_case(rank, world, stage, how):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.GELU(), torch.nn.Linear(13, 3))
+    zopt = zk.ZeroAdamW(model, stage=stage, lr=1e-2)
+    model(torch.randn(5, 7)).square().mean().backward()
+    zopt.step()
+    zopt.zero_grad()
+    before = zopt.state_dict()["state"]
+    assert before and all(len(b) >= 3 for b in before)    # master, exp_avg, exp_avg_sq per bucket
+    steps = list(zopt.steps)
+    if how == "double":
+        model.double()
+    elif how == "bfloat16":
+        model.to(torch.bfloat16)
+    else:                                           # p.data replaced by a copy: same dtype, new storage
+        for p in model.parameters():
+            p.data = p.data.clone()
+    with pytest.raises(RuntimeError, match="before constructing ZeroAdamW"):
+        zopt.step()
+    assert zopt.steps == steps                      # nothing changed
+    after = zopt.state_dict()["state"]
+    assert all(torch.equal(x[k], y[k]) for x, y in zip(before, after) for k in x)
+    zopt.remove_hooks()
+
+
+@pytest.mark.parametrize("stage,how", [(1, "double"), (2, "bfloat16"), (2, "data"), (3, "bfloat16"), (3, "double")])
+def test_cast_after_construction_is_an_error_world2(stage, how):
+    """Issue 13.2: model.to(dtype) / p.data = ... after ZeroAdamW(...) used to stop training silently
+    (stages 1-2) or be undone at the next gather (stage 3); step() now raises before changing anything."""
+    run_world(_moved_case, 2, stage, how, timeout=180)

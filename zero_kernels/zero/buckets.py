@@ -22,7 +22,7 @@ from torch import Tensor
 from .flat import flatten
 from ..layout import BucketSpec, Layout, Piece, dtype_from_name
 
-__all__ = ["FlatBucket", "OptimState", "ReduceState", "fill_flat", "master_from_originals"]
+__all__ = ["check_bound", "FlatBucket", "OptimState", "ReduceState", "fill_flat", "master_from_originals"]
 
 
 class OptimState:
@@ -111,6 +111,24 @@ class FlatBucket:
         for p, ps in zip(self.params, self.param_specs):
             p.data = flat[ps.offset:ps.offset + ps.numel].view(ps.shape)
 
+    # ---- bound parameters ---------------------------------------------------------------------
+    def moved_param(self) -> tuple[str, Tensor] | None:
+        """(name, parameter) of the first parameter that is no longer this bucket's view, else None.
+
+        [Note: bound parameters] Trainable parameters are views of the bucket's flat buffer (stage 3:
+        of it while gathered, an empty placeholder otherwise). ``model.to(dtype)``, ``.half()``,
+        ``.to(device)`` or ``p.data = ...`` after construction replace that storage: the model would
+        read tensors the step never writes (the loss goes flat), or stage 3 would silently undo the
+        cast at the next gather. step() checks this first and raises, before anything changes."""
+        for p, ps in zip(self.params, self.param_specs):
+            if p.dtype != self.dtype or p.device != self.device or (p.numel() and not self._is_view(p, ps)):
+                return ps.name, p
+        return None
+
+    def _is_view(self, p: Tensor, ps) -> bool:
+        flat = self.param_flat
+        return p.data_ptr() == flat.data_ptr() + ps.offset * flat.element_size()
+
     # ---- views ------------------------------------------------------------------------------
     @property
     def owned_params(self) -> Tensor:
@@ -138,3 +156,17 @@ class FlatBucket:
         if self.amsgrad:
             d["max_exp_avg_sq"] = self.optim.max_exp_avg_sq
         return d
+
+
+def check_bound(buckets: Sequence[FlatBucket]) -> None:
+    """Raise when a parameter stopped being a view of its bucket ([Note: bound parameters])."""
+    for b in buckets:
+        moved = b.moved_param()
+        if moved is not None:
+            name, p = moved
+            raise RuntimeError(
+                f"parameter {name!r} is no longer stored in ZeroAdamW's buffers (it is {p.dtype} on {p.device}; "
+                f"ZeroAdamW keeps it as {b.dtype} on {b.device}): the model was cast or moved (model.to(...), "
+                ".half(), .bfloat16(), .cuda()) or a parameter's .data was replaced after ZeroAdamW(...) was "
+                "constructed, so step() would update buffers the model no longer reads. Cast or move the model "
+                "before constructing ZeroAdamW (for 16-bit parameters pass param_dtype=torch.bfloat16).")

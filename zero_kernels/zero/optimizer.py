@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from .. import backends, checkpoint
 from ..hparams import validate_hparams
+from .buckets import check_bound
 from .build import bind, plan
 from .config import ZeroConfig
 from .scaling import StepScaling
@@ -151,6 +152,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         """[Note: the ZeRO step]. ``grad_scale`` / ``found_inf``: the GradScaler protocol of torch's
         fused optimizers (also read from the attributes GradScaler sets)."""
         self.strategy.wait_for_params()                 # the step writes the slices the gathers read
+        check_bound(self.buckets)                       # [Note: bound parameters] (buckets.py)
         grad_scale = grad_scale if grad_scale is not None else getattr(self, "grad_scale", None)
         found_inf = found_inf if found_inf is not None else getattr(self, "found_inf", None)
         self.scaling.check_amp(grad_scale, found_inf)

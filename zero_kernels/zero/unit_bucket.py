@@ -92,6 +92,10 @@ class UnitBucket(FlatBucket):
     def owned_params(self) -> Tensor:
         return self.shard
 
+    def _is_view(self, p: Tensor, ps) -> bool:
+        # freed (or still gathering): parameters are the empty placeholder, which has no elements
+        return self.gather_state == GATHERED and super()._is_view(p, ps)
+
     @property
     def full_bytes(self) -> int:
         return self.spec.padded_numel * self.param_flat.element_size()
