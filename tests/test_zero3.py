@@ -522,3 +522,31 @@ def test_gather_cache_world2():
 
 def _gather_cache_world(rank, world):
     _case_gather_cache()
+
+
+def _module_state_dict_case(rank, world, out):
+    import zero_kernels as zk
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.GELU(), torch.nn.Linear(13, 3))
+    model.register_buffer("seen", torch.ones(2))
+    zopt = zk.ZeroAdamW(model, stage=3, lr=1e-2)
+    model(torch.randn(5, 7)).square().mean().backward()
+    zopt.step()
+    zopt.zero_grad()
+    with pytest.raises(RuntimeError, match="full_model_state_dict"):
+        model.state_dict()                          # would be 0-element tensors: refused, with the fix
+    assert set(model.state_dict(keep_vars=True))    # the Parameter objects themselves stay available
+    with zopt.gathered():
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+    full = zopt.full_model_state_dict()
+    assert sd.keys() == full.keys()
+    for k in sd:
+        assert sd[k].numel() > 0 and torch.equal(sd[k], full[k].to(sd[k].dtype)), k
+    zopt.remove_hooks()
+    assert model.state_dict() is not None           # hooks removed: plain torch behaviour again
+
+
+def test_module_state_dict_under_stage3_world2(tmp_path):
+    """Issue 13.7: the module's own state_dict() outside forward raises with the fix instead of
+    returning freed (0-element) parameters; inside zopt.gathered() it is the full, trained model."""
+    run_world(_module_state_dict_case, 2, str(tmp_path), timeout=180)

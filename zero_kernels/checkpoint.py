@@ -150,7 +150,7 @@ def _metadata(opt, version_dir_name: str) -> dict:
     for g in opt.param_groups:
         groups.append({k: _plain(v) for k, v in g.items() if k != "params"})
     module = opt.module
-    sd_keys = list(module.state_dict().keys())
+    sd_keys = list(module.state_dict(keep_vars=True).keys())
     reg_order = [n for n, p in module.named_parameters() if p.requires_grad]
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "version_dir": version_dir_name,
@@ -369,7 +369,7 @@ def load_checkpoint(opt, path, verify: bool = True) -> None:
     if getattr(opt, "loss_scaler", None) is not None and meta.get("loss_scaler"):
         opt.loss_scaler.load_state_dict(meta["loss_scaler"])
     opt.skipped_steps = int(meta.get("skipped_steps", 0))
-    msd = opt.module.state_dict()
+    msd = opt.module.state_dict(keep_vars=True)
     for k, v in rest.items():
         msd[k].copy_(v)
     shards.close()

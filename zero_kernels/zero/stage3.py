@@ -43,7 +43,7 @@ from .buckets import FlatBucket
 from .hooks import Stage2Reducer
 from .report import nbytes, state_report
 from .strategy import HookReduced, StrategyContext
-from .unit_bucket import UnitBucket, gather_cache_stats
+from .unit_bucket import GATHERED, UnitBucket, gather_cache_stats
 from .unit_hooks import UnitRuntime
 from .units import assign_units
 
@@ -95,6 +95,21 @@ class Stage3(HookReduced):
         # overlap_comm honoured as in stage 2: False defers every reduce-scatter to the end of backward
         HookReduced.__init__(self, ctx, Stage3Reducer, on_backward_start=self.runtime.ensure_final_callback,
                              free_bucket=self.runtime.free)
+        self._state_dict_hook = ctx.model.register_state_dict_pre_hook(self._state_dict_guard)
+
+    def _state_dict_guard(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """[Note: the module's own state_dict at stage 3] Outside forward the parameters are freed
+        (0 elements): ``model.state_dict()`` (``save_pretrained``, ``torch.save(model.state_dict())``)
+        would write empty weights that fail to load later. It raises instead, naming the fix, unless
+        every unit is gathered (inside ``zopt.gathered()``). ``keep_vars=True`` (the Parameter objects
+        themselves, what identity joins use) is always allowed."""
+        if keep_vars or all(b.gather_state == GATHERED for b in self.ctx.buckets):
+            return
+        raise RuntimeError(
+            "model.state_dict() under ZeRO-3: the parameters are sharded across ranks and freed outside "
+            "forward, so it would return 0-element tensors. Use zopt.full_model_state_dict() (collective: "
+            "call it on every rank), or `with zopt.gathered(): sd = model.state_dict()` (every rank), e.g. "
+            "before save_pretrained(..., state_dict=sd)")
 
     def _end_backward(self) -> None:
         if self.reducer.in_backward:
@@ -151,5 +166,6 @@ class Stage3(HookReduced):
         return [(u.name, u.module) for u in self.runtime.units]
 
     def remove(self) -> None:
+        self._state_dict_hook.remove()
         self.runtime.remove()
         self.reducer.remove()
