@@ -550,3 +550,70 @@ def test_module_state_dict_under_stage3_world2(tmp_path):
     """Issue 13.7: the module's own state_dict() outside forward raises with the fix instead of
     returning freed (0-element) parameters; inside zopt.gathered() it is the full, trained model."""
     run_world(_module_state_dict_case, 2, str(tmp_path), timeout=180)
+
+
+class _HFBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln, self.fc, self.proj = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.proj(torch.nn.functional.gelu(self.fc(self.ln(x))))
+
+
+class _HFTransformer(nn.Module):
+    def __init__(self, vocab, d, layers):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(16, d)
+        self.h = nn.ModuleList(_HFBlock(d) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for b in self.h:
+            x = b(x)
+        return self.ln_f(x)
+
+
+class _HFGPT(nn.Module):
+    """Hugging Face GPT-2's module tree: one `transformer` child holds every block; tied head."""
+    def __init__(self, vocab=50, d=32, layers=6):
+        super().__init__()
+        self.transformer = _HFTransformer(vocab, d, layers)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, idx):
+        return self.lm_head(self.transformer(idx))
+
+
+def _default_units_case(rank, world, out):
+    import zero_kernels as zk
+    torch.manual_seed(0)
+    model = _HFGPT()
+    block = sum(p.numel() for p in model.transformer.h[0].parameters()) * 4          # fp32 bytes
+    emb = sum(p.numel() for n, p in model.transformer.named_parameters() if not n.startswith("h.")) * 4
+    zopt = zk.ZeroAdamW(model, stage=3, lr=1e-2, prefetch=1)
+    names = [n for n, _ in zopt.sharding_units()]
+    idx = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(rank))
+    zopt.reset_peak_memory()
+    model(idx).float().square().mean().backward()
+    zopt.step()
+    rep = zopt.memory_report()
+    if rank == 0:
+        torch.save({"names": names, "peak": rep["peak_gathered_params"], "block": block, "emb": emb}, out)
+    zopt.remove_hooks()
+
+
+def test_default_units_split_repeated_blocks_world2(tmp_path):
+    """Issue 13.10: with the default policy a GPT-2-shaped model (every block inside one `transformer`
+    child) is gathered one block at a time: peak gathered <= 2 blocks + the embeddings (it used to be
+    the whole `transformer`, 76% of GPT-2's parameters, at once)."""
+    out = str(tmp_path / "u.pt")
+    run_world(_default_units_case, 2, out, timeout=180)
+    r = torch.load(out)
+    blocks = [n for n in r["names"] if n.startswith("transformer.h.")]
+    assert r["names"][:2] == ["", "transformer"] and blocks == [f"transformer.h.{i}" for i in range(6)], r["names"]
+    pad = 2 * 4 * 64                                  # alignment padding of a few buckets
+    assert r["peak"] <= 2 * r["block"] + r["emb"] + 4 * pad, r
+    assert r["peak"] < 6 * r["block"]                 # negative control: not the whole model

@@ -3,7 +3,9 @@
 [Note: stage-3 units]
 A *unit* is a module whose parameters are gathered and freed together. ``wrap=None`` (default): the
 root's direct children (looking through ``nn.ModuleList`` / ``nn.ModuleDict``, which have no
-forward) that hold parameters are units; ``wrap`` may instead be a callable ``module -> bool`` or a
+forward) that hold parameters are units, and inside each of them the repeated blocks (two or more
+modules of one class in a ``ModuleList`` / ``Sequential``, as FSDP's transformer auto-wrap policy
+finds them) are nested units; ``wrap`` may instead be a callable ``module -> bool`` or a
 list of module classes (every non-root module it selects is a unit; units may nest). The root is
 always unit 0 and owns every parameter not inside another unit. A parameter belongs to the
 innermost unit enclosing the module that registers it. Buckets never span units
@@ -41,6 +43,7 @@ def _unit_modules(model: nn.Module, wrap) -> list[tuple[str, nn.Module]]:
                 elif any(True for _ in child.parameters()):
                     out.append((path, child))
         visit("", model)
+        out += [blk for n, m in list(out) for blk in _repeated_blocks(n + ".", m)]
         seen, uniq = set(), []
         for n, m in out:
             if id(m) not in seen:
@@ -64,6 +67,31 @@ def _unit_modules(model: nn.Module, wrap) -> list[tuple[str, nn.Module]]:
                 raise ValueError(f"wrap selected {n!r}, a {type(m).__name__}: it has no forward, so it cannot "
                                  "gather its parameters; select its children instead")
             out.append((n, m))
+    return out
+
+
+def _owns_params(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters())
+
+
+def _repeated_blocks(prefix: str, mod: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Inside a default unit: the members of any ``nn.ModuleList`` / ``nn.Sequential`` holding two or more
+    parameter-owning modules of one class (the transformer blocks of ``model.transformer.h``), outermost
+    first; a block found is not searched further. They become nested units, so a model whose one big
+    child holds every block (Hugging Face GPT-2's ``transformer``) gathers one block at a time."""
+    out = []
+    for name, child in mod.named_children():
+        path = prefix + name
+        if isinstance(child, (nn.ModuleList, nn.Sequential)):
+            kinds: dict[type, int] = {}
+            for k in child.children():
+                if _owns_params(k):
+                    kinds[type(k)] = kinds.get(type(k), 0) + 1
+            blocks = [(path + "." + n, k) for n, k in child.named_children() if kinds.get(type(k), 0) >= 2]
+            if blocks:
+                out += blocks
+                continue
+        out += _repeated_blocks(path + ".", child)
     return out
 
 
