@@ -519,3 +519,24 @@ def test_cast_after_construction_is_an_error_world2(stage, how):
     """Issue 13.2: model.to(dtype) / p.data = ... after ZeroAdamW(...) used to stop training silently
     (stages 1-2) or be undone at the next gather (stage 3); step() now raises before changing anything."""
     run_world(_moved_case, 2, stage, how, timeout=180)
+
+
+def _stage3_forward_stall(rank, world):
+    g = dist.new_group([0, 1])
+    model = make_model()
+    opt = zk.ZeroAdamW(model, stage=3, process_group=g, timeout=T_OUT, backend="reference")
+    _backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    if rank == 0:
+        # rank 1 never runs this forward: the stage-3 gather in the forward hook is bounded by timeout=
+        with pytest.raises(CollectiveTimeoutError, match=r"did not complete on rank 0.*Likely cause"):
+            _backward(model, 1)
+    else:
+        time.sleep(T_OUT + 3)
+
+
+def test_stage3_forward_gather_honours_timeout_world2():
+    """Issue 13.8: a stalled peer during ZeRO-3's forward gathers raises the package's timeout error
+    (naming the collective and the likely cause) after timeout=, not gloo's own 60 s here."""
+    run_world(_stage3_forward_stall, 2, timeout=120, collective_timeout=60)

@@ -20,13 +20,14 @@ from torch import nn
 
 from . import collectives as C
 from .buckets import FlatBucket
+from .timeouts import scoped
 
 __all__ = ["ParamGatherer"]
 
 
 class ParamGatherer:
     def __init__(self, model: nn.Module, buckets: list[FlatBucket], group, rank: int, overlap_comm: bool,
-                 overlap_param_gather: bool):
+                 overlap_param_gather: bool, timeout=None):
         self.buckets = buckets
         self.group = group
         self.rank = rank
@@ -44,7 +45,7 @@ class ParamGatherer:
                     if id(p) in index:
                         owned.setdefault(mod, set()).add(index[id(p)])
             for mod, bis in owned.items():
-                self.handles.append(mod.register_forward_pre_hook(self._hook(sorted(bis))))
+                self.handles.append(mod.register_forward_pre_hook(scoped(timeout, group, self._hook(sorted(bis)))))
 
     def _hook(self, bucket_indices: list[int]):
         def hook(module, args):

@@ -91,7 +91,7 @@ class Stage3(HookReduced):
     def __init__(self, ctx: StrategyContext, units: list[tuple[str, nn.Module]]):
         cfg = ctx.config
         self.runtime = UnitRuntime(units, ctx.buckets, ctx.group, ctx.rank, cfg.prefetch,
-                                   cfg.reshard_after_forward, self._end_backward)
+                                   cfg.reshard_after_forward, self._end_backward, cfg.timeout)
         # overlap_comm honoured as in stage 2: False defers every reduce-scatter to the end of backward
         HookReduced.__init__(self, ctx, Stage3Reducer, on_backward_start=self.runtime.ensure_final_callback,
                              free_bucket=self.runtime.free)

@@ -57,7 +57,7 @@ class _GatheredParams:
     def __init__(self, ctx: StrategyContext):
         self.ctx = ctx
         self.gatherer = ParamGatherer(ctx.model, ctx.buckets, ctx.group, ctx.rank, ctx.config.overlap_comm,
-                                      ctx.config.overlap_param_gather)
+                                      ctx.config.overlap_param_gather, ctx.config.timeout)
 
     def after_bucket_step(self, b: FlatBucket) -> None:
         self.gatherer.after_bucket_step(b)

@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 __all__ = ["CollectiveTimeoutError", "as_timedelta", "timeout_scope", "current_timeout", "wait_work",
-           "timeout_message", "bounded_by_timeout"]
+           "timeout_message", "bounded_by_timeout", "scoped"]
 
 _SCOPE = threading.local()
 _PEER_FAILURE = ("Connection closed", "Connection reset", "Timed out", "timed out")
@@ -81,6 +81,20 @@ def timeout_message(kind, tag, group, timeout, waited, err) -> str:
             f"after {waited:.1f} s (timeout {timeout.total_seconds():g} s): {why}. Likely cause: another "
             "rank of the group died, is hung, or never reached this collective (e.g. it skipped step() "
             "or exited early); check the other ranks' logs.")
+
+
+def scoped(timeout, group, fn):
+    """``fn`` run inside ``timeout_scope(timeout, group)``: for module and autograd hooks, which run
+    outside the optimizer's (decorated) methods but wait for collectives too (stage-3 gathers,
+    overlapped parameter all-gathers)."""
+    if timeout is None:
+        return fn
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with timeout_scope(timeout, group):
+            return fn(*args, **kwargs)
+    return run
 
 
 def bounded_by_timeout(fn):

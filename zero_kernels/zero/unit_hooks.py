@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd import Variable
 
+from .timeouts import scoped
 from .unit_bucket import FREE, UnitBucket, cache_module
 
 __all__ = ["UnitRuntime"]
@@ -27,8 +28,9 @@ class UnitRuntime:
     """The module hooks of stage 3 over its units (see [Note: stage-3 hooks] in stage3.py)."""
 
     def __init__(self, units: list[tuple[str, nn.Module]], buckets: list[UnitBucket], group, rank: int,
-                 prefetch: int, reshard_after_forward: bool, end_backward: Callable[[], None]):
+                 prefetch: int, reshard_after_forward: bool, end_backward: Callable[[], None], timeout=None):
         self.group = group
+        self.timeout = timeout                # every wait in these hooks is bounded by ZeroAdamW(timeout=)
         self.rank = rank
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
@@ -46,7 +48,8 @@ class UnitRuntime:
         self.handles = []
         for u in self.units:
             if u.buckets or u.index == 0:
-                self.handles.append(u.module.register_forward_pre_hook(self._pre_forward_hook(u)))
+                self.handles.append(u.module.register_forward_pre_hook(
+                    scoped(self.timeout, self.group, self._pre_forward_hook(u))))
                 self.handles.append(u.module.register_forward_hook(self._post_forward_hook(u)))
         # sequences (unit indices, with repeats) recorded in the first forward / backward
         self.fwd_seq: list[int] | None = None
@@ -149,7 +152,7 @@ class UnitRuntime:
             needs_grad = False
             if torch.is_grad_enabled():
                 for t in _grad_tensors(output):
-                    t.register_hook(self._pre_backward_hook(u))
+                    t.register_hook(scoped(self.timeout, self.group, self._pre_backward_hook(u)))
                     needs_grad = True
             if self._in_forward:
                 self._rec_post.append(u.index)
@@ -177,7 +180,7 @@ class UnitRuntime:
             self._final_queued = True
             self._bwd_pos = 0
             self._rec_bwd = []
-            Variable._execution_engine.queue_callback(self._post_backward)
+            Variable._execution_engine.queue_callback(scoped(self.timeout, self.group, self._post_backward))
 
     def _pre_backward_hook(self, u: _Unit):
         def hook(grad):
