@@ -32,6 +32,7 @@ from _dist import run_world  # noqa: E402
 import zero_kernels as zk  # noqa: E402
 from zero_kernels import checkpoint as ck  # noqa: E402
 from zero_kernels import checkpoint_tools as ckt  # noqa: E402
+from zero_kernels.checkpoint_format import saved_layout  # noqa: E402
 from zero_kernels.state_keys import canonical_names  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -437,7 +438,7 @@ def test_item18_consolidate_layout_out_of_range(tmp_path):
     # The coverage count itself: a piece missing from an otherwise valid layout is caught.
     vdir = ck.resolve(good)
     marker, meta = ck.read_metadata(vdir)
-    lay = ck.saved_layout(meta, "metadata.json")
+    lay = saved_layout(meta, "metadata.json")
 
     class Dropping:
         world_size, buckets, params = lay.world_size, lay.buckets, lay.params

@@ -219,10 +219,10 @@ def test_rank_failure_timeouts_world2():
 
 # ---- construction is all-or-nothing (issue 13.4) and hyper-parameters follow torch (13.5, 15.3) --------
 def _snapshot(model):
-    hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+    hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks), len(m._state_dict_pre_hooks)) for m in model.modules()]
     phooks = [len(p._post_accumulate_grad_hooks or {}) if hasattr(p, "_post_accumulate_grad_hooks") else 0
               for p in model.parameters()]
-    return ({k: (v.data_ptr(), v.dtype, v.detach().clone()) for k, v in model.state_dict().items()}, hooks, phooks)
+    return ({k: (v.data_ptr(), v.dtype, v.detach().clone()) for k, v in model.state_dict(keep_vars=True).items()}, hooks, phooks)
 
 
 def _same(a, b) -> bool:

@@ -62,7 +62,6 @@ names and shapes, buffers) and the ranks agree that nobody failed BEFORE any sta
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from typing import Any, Callable
@@ -70,13 +69,13 @@ from typing import Any, Callable
 import torch
 
 from .checkpoint_format import (FORMAT, FORMAT_VERSION, CheckpointError, Shards, atomic_write, canonical,
-                                check_numels, fsync_dir, json_bytes, load_small, new_version, param_names,
-                                prune, read_metadata, resolve, saved_layout, shard_name, versions)
-from .checkpoint_tools import consolidate, inspect
+                                check_numels, fsync_dir, json_bytes, load_small, new_version, prune,
+                                read_metadata, resolve, shard_name, versions)
+from .checkpoint_tools import check_fit, consolidate, inspect, main
 from .layout import Layout, dtype_from_name, dtype_name
 from .state_keys import keyed_state
 
-__all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "inspect", "resolve", "read_metadata",
+__all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "inspect", "main", "resolve", "read_metadata",
            "CheckpointError", "FORMAT", "FORMAT_VERSION"]
 
 # Test hook: called as _FAULT(rank, file_name) after each file this process writes (raise to
@@ -290,49 +289,6 @@ def _saved_ranges(bspec, offset: int, numel: int):
         pos = stop
 
 
-def _match(mine, saved, meta_path: str) -> dict:
-    """{loader parameter index: saved ParamSpec}, by wrapper-free names ([Note: state-dict keys])."""
-    sc = canonical([n for p in saved.params for n in param_names(p)], meta_path)
-    by_name = {sc[n]: p for p in saved.params for n in param_names(p)}
-    mc = canonical([n for p in mine.params for n in param_names(p)], "the model")
-    out = {}
-    for p in mine.params:
-        sp = next((by_name[mc[n]] for n in param_names(p) if mc[n] in by_name), None)
-        if sp is None:
-            raise CheckpointError(f"{meta_path}: the model's trainable parameter {p.name!r} (shape "
-                                  f"{tuple(p.shape)}) is not in the checkpoint")
-        if tuple(sp.shape) != tuple(p.shape):
-            raise CheckpointError(f"{meta_path}: parameter {p.name!r} has shape {tuple(sp.shape)} in the "
-                                  f"checkpoint but {tuple(p.shape)} in the model")
-        if sp.group != p.group:
-            raise CheckpointError(f"{meta_path}: parameter {p.name!r} is in param group {sp.group} in the "
-                                  f"checkpoint but in group {p.group} here: build the same param_groups")
-        out[p.index] = sp
-    used = {sp.index for sp in out.values()}
-    extra = [p.name for p in saved.params if p.index not in used]
-    if extra:
-        raise CheckpointError(f"{meta_path}: the checkpoint has trainable parameter(s) the model lacks: "
-                              f"{extra[:5]}{' ...' if len(extra) > 5 else ''}")
-    return out
-
-
-def _check_fit(opt, meta: dict, meta_path: str) -> dict:
-    """Parameter names, shapes, groups and optimizer kind must match the loader's model; returns
-    ``_match`` of the loader's parameters onto the saved ones."""
-    match = _match(opt.layout, saved_layout(meta, meta_path), meta_path)
-    if len(meta["param_groups"]) != len(opt.param_groups):
-        raise CheckpointError(f"{meta_path}: {len(meta['param_groups'])} param groups in the checkpoint, "
-                              f"{len(opt.param_groups)} here")
-    kind = "AdamW" if opt.adamw else "Adam"
-    if meta["optimizer"] != kind:
-        raise CheckpointError(f"{meta_path}: saved by Zero{meta['optimizer']}, loading into Zero{kind}")
-    have_ams = any(b.amsgrad for b in opt.buckets)
-    want_ams = any(g.get("amsgrad") for g in meta["param_groups"])
-    if want_ams and not have_ams:
-        raise CheckpointError(f"{meta_path}: the checkpoint uses amsgrad; construct the optimizer with amsgrad=True")
-    return match
-
-
 @torch.no_grad()
 def load_checkpoint(opt, path, verify: bool = True) -> None:
     """Collective. Load a checkpoint saved at any world size/stage/bucket size into ``opt``
@@ -403,7 +359,7 @@ def _stage_load(opt, path, verify):
     vdir = resolve(path)
     marker, meta = read_metadata(vdir)
     meta_path = os.path.join(vdir, "metadata.json")
-    match = _check_fit(opt, meta, meta_path)
+    match = check_fit(opt, meta, meta_path)
     saved = Layout.from_dict(meta["layout"])
     steps = [int(meta["params"][match[p.index].index]["step"]) for p in opt.layout.params]
     rest = _load_rest(opt, vdir, marker, meta, verify)
@@ -435,31 +391,6 @@ def _stage_load(opt, path, verify):
         if p16 is not None:
             new16[b.index] = p16
     return new_state, new16, meta, rest, shards, steps
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m zero_kernels.checkpoint",
-                                 description="Inspect or consolidate a ZeroAdamW sharded checkpoint.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("inspect", help="print the metadata of a checkpoint")
-    a.add_argument("path")
-    c = sub.add_parser("consolidate", help="write {'model', 'optimizer'} (torch.optim.AdamW format) to OUT")
-    c.add_argument("path")
-    c.add_argument("out")
-    c.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the files")
-    args = ap.parse_args(argv)
-    try:
-        if args.cmd == "inspect":
-            inspect(args.path)
-        else:
-            res = consolidate(args.path, args.out, verify=not args.no_verify)
-            n = sum(t.numel() for k, t in res["model"].items())
-            print(f"wrote {args.out}: {len(res['model'])} model entries ({n:,} elements), "
-                  f"{len(res['optimizer']['state'])} optimizer states")
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
 
 
 if __name__ == "__main__":

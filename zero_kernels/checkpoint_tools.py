@@ -1,19 +1,22 @@
 """Offline checkpoint tools: ``consolidate`` (a full torch.optim.AdamW/Adam checkpoint, shard by
-shard, no process group) and ``inspect`` (metadata only). CLI: ``python -m zero_kernels.checkpoint``;
+shard, no process group) and ``inspect`` (metadata only), their CLI (``main``: ``python -m
+zero_kernels.checkpoint``), and the matching of a saved layout onto a loader's (``match_params``,
+``check_fit``: wrapper-free names, shapes, groups);
 the format: [Note: checkpoint format] in checkpoint.py.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
 import torch
 
-from .checkpoint_format import (CheckpointError, Shards, atomic_write, load_small, param_names, read_metadata,
-                                resolve, saved_layout)
+from .checkpoint_format import (CheckpointError, Shards, atomic_write, canonical, load_small, param_names,
+                                read_metadata, resolve, saved_layout)
 from .state_keys import canonical_names
 
-__all__ = ["consolidate", "inspect"]
+__all__ = ["consolidate", "inspect", "match_params", "check_fit", "main"]
 
 
 # ---- offline tools (no process group) -------------------------------------------------------------------------------
@@ -143,3 +146,71 @@ def inspect(path, file=None) -> dict:
         nm = p["name"] + (f" (= {', '.join(p['aliases'])})" if p["aliases"] else "")
         w(f"{nm:<40} {str(tuple(p['shape'])):<16} {p['dtype']:<9} {p['group']:>5} {p['step']:>6}")
     return meta
+
+
+def match_params(mine, saved, meta_path: str) -> dict:
+    """{loader parameter index: saved ParamSpec}, by wrapper-free names ([Note: state-dict keys])."""
+    sc = canonical([n for p in saved.params for n in param_names(p)], meta_path)
+    by_name = {sc[n]: p for p in saved.params for n in param_names(p)}
+    mc = canonical([n for p in mine.params for n in param_names(p)], "the model")
+    out = {}
+    for p in mine.params:
+        sp = next((by_name[mc[n]] for n in param_names(p) if mc[n] in by_name), None)
+        if sp is None:
+            raise CheckpointError(f"{meta_path}: the model's trainable parameter {p.name!r} (shape "
+                                  f"{tuple(p.shape)}) is not in the checkpoint")
+        if tuple(sp.shape) != tuple(p.shape):
+            raise CheckpointError(f"{meta_path}: parameter {p.name!r} has shape {tuple(sp.shape)} in the "
+                                  f"checkpoint but {tuple(p.shape)} in the model")
+        if sp.group != p.group:
+            raise CheckpointError(f"{meta_path}: parameter {p.name!r} is in param group {sp.group} in the "
+                                  f"checkpoint but in group {p.group} here: build the same param_groups")
+        out[p.index] = sp
+    used = {sp.index for sp in out.values()}
+    extra = [p.name for p in saved.params if p.index not in used]
+    if extra:
+        raise CheckpointError(f"{meta_path}: the checkpoint has trainable parameter(s) the model lacks: "
+                              f"{extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    return out
+
+
+def check_fit(opt, meta: dict, meta_path: str) -> dict:
+    """Parameter names, shapes, groups and optimizer kind must match the loader's model; returns
+    ``match_params`` of the loader's parameters onto the saved ones."""
+    match = match_params(opt.layout, saved_layout(meta, meta_path), meta_path)
+    if len(meta["param_groups"]) != len(opt.param_groups):
+        raise CheckpointError(f"{meta_path}: {len(meta['param_groups'])} param groups in the checkpoint, "
+                              f"{len(opt.param_groups)} here")
+    kind = "AdamW" if opt.adamw else "Adam"
+    if meta["optimizer"] != kind:
+        raise CheckpointError(f"{meta_path}: saved by Zero{meta['optimizer']}, loading into Zero{kind}")
+    have_ams = any(b.amsgrad for b in opt.buckets)
+    want_ams = any(g.get("amsgrad") for g in meta["param_groups"])
+    if want_ams and not have_ams:
+        raise CheckpointError(f"{meta_path}: the checkpoint uses amsgrad; construct the optimizer with amsgrad=True")
+    return match
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m zero_kernels.checkpoint",
+                                 description="Inspect or consolidate a ZeroAdamW sharded checkpoint.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("inspect", help="print the metadata of a checkpoint")
+    a.add_argument("path")
+    c = sub.add_parser("consolidate", help="write {'model', 'optimizer'} (torch.optim.AdamW format) to OUT")
+    c.add_argument("path")
+    c.add_argument("out")
+    c.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the files")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "inspect":
+            inspect(args.path)
+        else:
+            res = consolidate(args.path, args.out, verify=not args.no_verify)
+            n = sum(t.numel() for k, t in res["model"].items())
+            print(f"wrote {args.out}: {len(res['model'])} model entries ({n:,} elements), "
+                  f"{len(res['optimizer']['state'])} optimizer states")
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
