@@ -262,11 +262,11 @@ def test_chart_uses_the_tables_activation_model(capsys, tmp_path):
     args = P.build_parser().parse_args(argv)
     cfg = P._resolve(args, P.build_parser())
     series = P.capacity_series(args, cfg)
-    at16 = [P._fmt_params(dict(series[s])[16]) for s in range(4)]
+    at16 = [P.fmt_params(dict(series[s])[16]) for s in range(4)]
     assert at16 == table
     # negative control: the reserve-only model (what the chart used before) disagrees with the table
-    reserve_only = P._capacity(16, 0, args, cfg, None)
-    assert P._fmt_params(reserve_only) != table[0]
+    reserve_only = P.capacity(16, 0, args, cfg, None)
+    assert P.fmt_params(reserve_only) != table[0]
     assert isinstance(args, argparse.Namespace)
 
 

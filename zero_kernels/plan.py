@@ -24,6 +24,7 @@ from typing import Sequence
 
 from . import memory as M
 from . import simulate as S
+from .plan_chart import capacity, capacity_series, fmt_params, nbytes_of, plot_memory
 
 __all__ = ["main", "build_parser", "capacity_series", "MODEL_PRESETS"]
 
@@ -126,13 +127,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fmt_params(n: float) -> str:
-    for div, s in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= div:
-            return f"{n / div:.3g}{s}" if n / div < 100 else f"{n / div:.0f}{s}"
-    return f"{n:.0f}"
-
-
 def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     """Validate the flags together; return the derived configuration. parser.error() on bad input."""
     err = parser.error
@@ -177,7 +171,7 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
         if args.attn_scores and shape["heads"] is None:
             err("--attn-scores needs --heads")
         act = M.activation_bytes(args.batch, shape["seq"], shape["hidden"], shape["layers"],
-                                 bytes_per=_nbytes(args)["param_bytes"],
+                                 bytes_per=nbytes_of(args)["param_bytes"],
                                  checkpointing=args.checkpointing or False,
                                  heads=shape["heads"] if args.attn_scores else None)
     elif args.checkpointing or args.attn_scores:
@@ -213,30 +207,14 @@ def _plans(args, cfg) -> list[M.PlanResult]:
                    hidden=cfg["shape"]["hidden"], reserve=args.reserve) for s in cfg["stages"]]
 
 
-def _nbytes(args, states: str | None = None, remainders: bool | None = None) -> dict[str, float]:
-    return M.dtype_bytes(args.param_dtype, args.states if states is None else states,
-                         args.remainders if remainders is None else remainders)
-
-
-def _capacity(gpus: int, stage: int, args, cfg, activations: float | None, nb: dict | None = None) -> int:
-    nb = _nbytes(args) if nb is None else nb
-    if activations is None:
-        reserve, extra = args.reserve, 0.0
-    else:
-        reserve, extra = 0.0, activations / args.tp
-    # hidden=None: the largest model is not this model, so its block size is estimated from its Ψ.
-    return M.max_trainable_params(gpus, cfg["gpu_mem"], stage, tp=args.tp, pp=args.pp,
-                                  reserve=reserve, extra_bytes=extra, **nb)
-
-
 def _report(args, cfg, plans: list[M.PlanResult]) -> str:
-    nb = _nbytes(args)
+    nb = nbytes_of(args)
     p16 = args.param_dtype
     master = "bf16 + int16 remainder master" if args.remainders else "fp32 master"
     prec = (f"{p16} params and grads, {master} + {args.states} Adam m, v" if nb["master_bytes"]
             else f"fp32 params (= master) and grads + {args.states} Adam m, v")
     k = nb["master_bytes"] + nb["optim_bytes"]
-    lines = [f"Ψ = {cfg['psi']:,} parameters ({_fmt_params(cfg['psi'])}); {prec}: "
+    lines = [f"Ψ = {cfg['psi']:,} parameters ({fmt_params(cfg['psi'])}); {prec}: "
              f"{sum(nb.values()):g} bytes/param (optimizer states K = {k:.3g}), "
              f"{sum(nb.values()) * cfg['psi'] / M.GB:,.1f} GB of model states in all"]
     shape = cfg["shape"]
@@ -245,7 +223,7 @@ def _report(args, cfg, plans: list[M.PlanResult]) -> str:
                      f"{shape['layers']} layers, hidden {shape['hidden']}, vocab "
                      f"{shape['vocab'] or 50257}" + (f", seq {shape['seq']}" if shape['seq'] else ""))
     lines.append(f"{args.gpus} GPU(s) x {args.gpu_mem:g} GB = DP {cfg['dp']} x TP {args.tp} x "
-                 f"PP {args.pp}; each rank holds Ψ/(TP·PP) = {_fmt_params(cfg['psi'] / (args.tp * args.pp))}"
+                 f"PP {args.pp}; each rank holds Ψ/(TP·PP) = {fmt_params(cfg['psi'] / (args.tp * args.pp))}"
                  f" parameters; ZeRO shards over DP = {cfg['dp']}")
     if cfg["dp"] == 1:
         lines.append("  DP = 1: nothing for ZeRO to shard, every stage equals DDP")
@@ -282,8 +260,8 @@ def _report(args, cfg, plans: list[M.PlanResult]) -> str:
     row("total", [f"{p.total / M.GB:,.2f}" for p in plans])
     row("budget", [f"{p.budget / M.GB:,.2f}" for p in plans])
     row("fits", ["yes" if p.fits else "NO" for p in plans])
-    caps = [_capacity(args.gpus, p.stage, args, cfg, cfg["activations"]) for p in plans]
-    row(f"largest model on {args.gpus} GPU(s)", [_fmt_params(c) if c else "none" for c in caps])
+    caps = [capacity(args.gpus, p.stage, args, cfg, cfg["activations"]) for p in plans]
+    row(f"largest model on {args.gpus} GPU(s)", [fmt_params(c) if c else "none" for c in caps])
     lines.append("")
     fitting = [p for p in plans if p.fits]
     if fitting:
@@ -296,89 +274,6 @@ def _report(args, cfg, plans: list[M.PlanResult]) -> str:
                  "the ZeRO-3 gather buffer is the unsharded current block (params + grads) and the "
                  "prefetched next block")
     return "\n".join(lines)
-
-
-def capacity_series(args, cfg) -> dict[int, list[tuple[int, int]]]:
-    """{stage: [(gpus, largest trainable Ψ)]} for the capacity chart: the same memory model as the
-    table's "largest model" row (activations of --batch when given, else the --reserve fraction)."""
-    k = args.tp * args.pp
-    xs = sorted({g for g in (2 ** i for i in range(11)) if g % k == 0} | {args.gpus})
-    return {s: [(g, _capacity(g, s, args, cfg, cfg["activations"])) for g in xs] for s in range(4)}
-
-
-def _plot(path: str, args, cfg, plans: list[M.PlanResult]) -> None:
-    from matplotlib.figure import Figure  # no pyplot: no global backend, renders with Agg
-    from matplotlib.ticker import FuncFormatter, NullFormatter
-
-    fig = Figure(figsize=(13, 5.2), dpi=110, layout="constrained")
-    ax1, ax2 = fig.subplots(1, 2, width_ratios=[1.15, 1])
-    k = args.tp * args.pp
-    series = capacity_series(args, cfg)
-    xs = [g for g, _ in series[0]]
-    colors = {0: "#7f7f7f", 1: "#1f77b4", 2: "#2ca02c", 3: "#d62728"}
-    for s in range(4):
-        ys = [c / 1e9 for _, c in series[s]]
-        ax1.plot(xs, ys, marker="o", ms=3.5, color=colors[s], label=M.STAGE_NAMES[s])
-    for fmt, rem, ls in (("fp32", False, (0, (1, 1))), ("bf16", False, (0, (4, 2))), ("8bit", False, (0, (6, 2, 1, 2))),
-                         ("8bit", True, (0, (2, 2, 2, 2, 6, 2)))):
-        if (fmt, rem) == (args.states, args.remainders) or (rem and args.param_dtype != "bf16"):
-            continue
-        nb = _nbytes(args, fmt, rem)
-        ys = [_capacity(g, 3, args, cfg, cfg["activations"], nb) / 1e9 for g in xs]
-        ax1.plot(xs, ys, color=colors[3], ls=ls, lw=1, alpha=0.8,
-                 label=f"ZeRO-3, K = {nb['master_bytes'] + nb['optim_bytes']:.3g} ({fmt} m, v{' + remainders' if rem else ''})")
-    asked = [c / 1e9 for s in range(4) for g, c in series[s] if g == args.gpus]
-    ax1.plot([args.gpus] * 4, asked, marker="D", ms=7, ls="none", mfc="none", mec="black",
-             label=f"requested: {args.gpus} GPU(s), as in the table")
-    ref = cfg["activations"] is None and args.states == "fp32" and not args.remainders and args.gpu_mem == 80 and args.tp == 1 and args.pp == 1 and args.param_dtype != "fp32"
-    if ref:
-        ax1.plot([64], [175], marker="*", ms=13, color="black", ls="none",
-                 label="reference: DDP ≈3.5B flat, ZeRO-3 ≈175B @ 64")
-        ax1.plot([1, 1024], [3.5, 3.5], ls=":", color="black", lw=1)
-    ax1.axhline(cfg["psi"] / 1e9, color="#9467bd", ls="--", lw=1.2,
-                label=f"this model: {_fmt_params(cfg['psi'])}")
-    ax1.set_xscale("log", base=2)
-    ax1.set_yscale("log")
-    ax1.set_xticks(xs, [str(x) for x in xs])
-    ax1.set_xlabel("GPUs" + (f" (TP {args.tp} x PP {args.pp}; DP = GPUs / {k})" if k > 1 else ""))
-    ax1.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _fmt_params(v * 1e9)))
-    ax1.yaxis.set_minor_formatter(NullFormatter())
-    ax1.set_ylabel("largest trainable model (parameters)")
-    act = (f"{args.reserve:.0%} kept for activations" if cfg["activations"] is None
-           else f"activations of batch {args.batch} ({cfg['activations'] / M.GB:.1f} GB)")
-    k = _nbytes(args)
-    ax1.set_title(f"Capacity: {args.gpu_mem:g} GB GPUs, {args.param_dtype}, K = "
-                  f"{k['master_bytes'] + k['optim_bytes']:.3g}, {act}", fontsize=10)
-    ax1.grid(True, which="both", alpha=0.3)
-    ax1.legend(loc="upper left", fontsize=8.5)
-
-    cats = [("params", "params"), ("grads", "grads"),
-            ("master_params", "int16 master remainder" if args.remainders else "fp32 master"),
-            ("exp_avg", "Adam m"), ("exp_avg_sq", "Adam v"),
-            ("gather_buffer", "ZeRO-3 gather buffer"), ("activations", "activations")]
-    ccol = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22"]
-    names = [p.name for p in plans]
-    bottom = [0.0] * len(plans)
-    for (key, label), c in zip(cats, ccol):
-        vals = [p.categories()[key] / M.GB for p in plans]
-        if not any(vals):
-            continue
-        ax2.bar(names, vals, bottom=bottom, color=c, label=label, width=0.6)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    for i, p in enumerate(plans):
-        ax2.text(i, p.total / M.GB, f"{p.total / M.GB:,.1f} GB\n{'fits' if p.fits else 'does not fit'}",
-                 ha="center", va="bottom", fontsize=8.5)
-    ax2.axhline(args.gpu_mem, color="black", lw=1.2, label=f"GPU memory ({args.gpu_mem:g} GB)")
-    if plans[0].budget < plans[0].gpu_mem:
-        ax2.axhline(plans[0].budget / M.GB, color="black", ls="--", lw=1,
-                    label=f"budget ({plans[0].budget / M.GB:.0f} GB)")
-    ax2.set_ylim(0, max(max(bottom), args.gpu_mem) * 1.18)
-    ax2.set_ylabel("GB per GPU")
-    ax2.set_title(f"{_fmt_params(cfg['psi'])} params on {args.gpus} GPU(s) "
-                  f"(DP {cfg['dp']}, TP {args.tp}, PP {args.pp})")
-    ax2.legend(loc="upper right", fontsize=8.5)
-    ax2.grid(True, axis="y", alpha=0.3)
-    fig.savefig(path)
 
 
 def scaling_path(plot: str) -> str:
@@ -401,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(S.report(cfg["psi"], args))
     if args.plot:
         try:
-            _plot(args.plot, args, cfg, plans)
+            plot_memory(args.plot, args, cfg, plans)
             if args.simulate:
                 S.plot(scaling_path(args.plot), cfg["psi"], args)
         except ValueError as e:  # e.g. an image format matplotlib does not know
