@@ -39,8 +39,6 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1

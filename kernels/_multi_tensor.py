@@ -56,6 +56,24 @@ from torch import Tensor
 
 
 @triton.jit
+def program_chunk(chunk_tensor, chunk_start, numels):
+    """(tensor index, first element of this program's chunk in it, the tensor's size) from the chunk
+    map ([Note: chunk map]); all int64."""
+    pid = tl.program_id(0).to(tl.int64)
+    t = tl.load(chunk_tensor + pid).to(tl.int64)
+    return t, tl.load(chunk_start + pid), tl.load(numels + t)
+
+
+@triton.jit
+def block_offsets(start, i, BLOCK_SIZE: tl.constexpr):
+    """(first element, int64 offsets) of iteration ``i`` of a chunk: BLOCK_SIZE contiguous elements
+    starting at a multiple of BLOCK_SIZE (the hints that make full blocks vectorize)."""
+    block_start = start + i * BLOCK_SIZE
+    offs = block_start + tl.arange(0, BLOCK_SIZE).to(tl.int64)
+    return block_start, tl.max_contiguous(tl.multiple_of(offs, BLOCK_SIZE), BLOCK_SIZE)
+
+
+@triton.jit
 def round_bf16_bits(x):
     """fp32 -> bf16 bit pattern (uint16), round to nearest even; NaN stays a quiet NaN.
 

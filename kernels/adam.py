@@ -25,7 +25,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference import moment_coeffs
-from ._multi_tensor import chunk_map, device_guard, pointer_table, round_bf16_bits, upload
+from ._multi_tensor import (block_offsets, chunk_map, device_guard, pointer_table, program_chunk, round_bf16_bits,
+                            upload)
 
 # Elements per program: BLOCK per iteration x ITERS iterations. Large chunks keep the grid small
 # (and the interpreter fast). BLOCK=1024 with 8 warps gives each thread 4 elements per iteration:
@@ -141,13 +142,10 @@ def fused_adam_kernel(
     BLOCK_SIZE: tl.constexpr,      # elements per iteration
     N_ITERS: tl.constexpr,         # iterations per program (chunk = BLOCK_SIZE * N_ITERS)
 ):
-    pid = tl.program_id(0).to(tl.int64)
     if HAS_FOUND_INF:
         if tl.load(found_inf_ptr) != 0:
             return
-    t = tl.load(chunk_tensor + pid).to(tl.int64)
-    start = tl.load(chunk_start + pid)
-    numel = tl.load(numels + t)
+    t, start, numel = program_chunk(chunk_tensor, chunk_start, numels)
     row = ptr_table + t * 6
     a_master, a_grad, a_m = tl.load(row + 0), tl.load(row + 1), tl.load(row + 2)
     a_v, a_vmax, a_p16 = tl.load(row + 3), tl.load(row + 4), tl.load(row + 5)
@@ -168,9 +166,7 @@ def fused_adam_kernel(
     decay = tl.load(coeffs + t * 3 + 2)
     grad_scale = tl.load(grad_scale_ptr) if HAS_GRAD_SCALE else 1.0
     for i in range(N_ITERS):
-        block_start = start + i * BLOCK_SIZE
-        offs = block_start + tl.arange(0, BLOCK_SIZE).to(tl.int64)
-        offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_SIZE), BLOCK_SIZE)
+        block_start, offs = block_offsets(start, i, BLOCK_SIZE)
         if block_start + BLOCK_SIZE <= numel:
             if aligned:
                 _adam_block(tl.multiple_of(master_ptr, 16), tl.multiple_of(grad_ptr, 16),

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._multi_tensor import chunk_map, device_guard, pointer_table, round_bf16_bits
+from ._multi_tensor import block_offsets, chunk_map, device_guard, pointer_table, program_chunk, round_bf16_bits
 
 __all__ = ["flatten_triton", "unflatten_triton", "flatten_kernel", "unflatten_kernel", "CODEGEN_CASES"]
 
@@ -82,10 +82,7 @@ def flatten_kernel(
     BLOCK_SIZE: tl.constexpr,   # elements per iteration
     N_ITERS: tl.constexpr,      # iterations per program
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    t = tl.load(chunk_tensor + pid).to(tl.int64)
-    start = tl.load(chunk_start + pid)
-    n = tl.load(numels + t)
+    t, start, n = program_chunk(chunk_tensor, chunk_start, numels)
     src_addr = tl.load(src_table + t)
     src = src_addr.to(tl.pointer_type(SRC_DTYPE))
     d = dst + tl.load(dst_offsets + t)
@@ -93,9 +90,7 @@ def flatten_kernel(
     # 16-byte aligned; a misaligned region (an odd-sized neighbour) costs only this tensor.
     aligned = ((src_addr | d.to(tl.int64)) & 15) == 0
     for i in range(N_ITERS):
-        block_start = start + i * BLOCK_SIZE
-        offs = block_start + tl.arange(0, BLOCK_SIZE).to(tl.int64)
-        offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_SIZE), BLOCK_SIZE)
+        block_start, offs = block_offsets(start, i, BLOCK_SIZE)
         if block_start + BLOCK_SIZE <= n:
             if aligned:
                 _flatten_block(tl.multiple_of(src, 16), tl.multiple_of(d, 16), offs, None, scale,
@@ -118,18 +113,13 @@ def unflatten_kernel(
     BLOCK_SIZE: tl.constexpr,   # elements per iteration
     N_ITERS: tl.constexpr,      # iterations per program
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    t = tl.load(chunk_tensor + pid).to(tl.int64)
-    start = tl.load(chunk_start + pid)
-    n = tl.load(numels + t)
+    t, start, n = program_chunk(chunk_tensor, chunk_start, numels)
     s = src + tl.load(src_offsets + t)
     dst_addr = tl.load(dst_table + t)
     dst = dst_addr.to(tl.pointer_type(BITS_DTYPE))
     aligned = ((dst_addr | s.to(tl.int64)) & 15) == 0   # per tensor, as flatten_kernel
     for i in range(N_ITERS):
-        block_start = start + i * BLOCK_SIZE
-        offs = block_start + tl.arange(0, BLOCK_SIZE).to(tl.int64)
-        offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_SIZE), BLOCK_SIZE)
+        block_start, offs = block_offsets(start, i, BLOCK_SIZE)
         if block_start + BLOCK_SIZE <= n:
             if aligned:
                 sa = tl.multiple_of(s, 16)

@@ -29,11 +29,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, err_q, collective_timeout):
+def _package_file() -> str:
+    import zero_kernels
+    return os.path.abspath(zero_kernels.__file__)
+
+
+def _entry(rank, world_size, port, fn, args, err_q, collective_timeout, parent_package):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     try:
+        # A spawned child rebuilds sys.path from the parent's current one: a test module that put the
+        # checkout first would make the children test the source tree while the parent tests the wheel.
+        if _package_file() != parent_package:
+            raise RuntimeError(f"rank {rank} imported zero_kernels from {_package_file()}, the parent from "
+                               f"{parent_package}: something put another copy first on sys.path")
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout))
         fn(rank, world_size, *args)
@@ -77,8 +87,8 @@ def _run_world(fn, world_size: int, *args, timeout: float = 180.0, collective_ti
     port = free_port()
     procs = []
     for r in range(world_size):
-        p = ctx.Process(target=_entry, args=(r, world_size, port, fn, args, err_q, collective_timeout),
-                        daemon=True)
+        p = ctx.Process(target=_entry, daemon=True,
+                        args=(r, world_size, port, fn, args, err_q, collective_timeout, _package_file()))
         p.start()
         procs.append(p)
     deadline = time.monotonic() + timeout

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _gpu  # noqa: E402
 
 pytestmark = _gpu.MARKS
