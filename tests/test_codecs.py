@@ -168,6 +168,29 @@ def test_q8_zero_and_nan_blocks():
     assert bool(torch.isnan(dq[256:512]).all())                         # a NaN poisons its block, only
 
 
+@pytest.mark.parametrize("n", SIZES)
+def test_f8_matches_definition(n):
+    x = torch.randn(n, generator=gen(40 + n)) * torch.logspace(-3, 0, n)
+    codes, scale = C.encode_f8(x)
+    assert codes.dtype == torch.float8_e4m3fn and scale.shape == (-(-n // C.BLOCK),)
+    want = torch.stack([x[i:i + C.BLOCK].abs().max() for i in range(0, n, C.BLOCK)]) / 448.0
+    assert torch.equal(scale, want)
+    s = scale.repeat_interleave(C.BLOCK)[:n]
+    assert torch.equal(codes.view(torch.uint8), (x / s).to(torch.float8_e4m3fn).view(torch.uint8))
+    dq = C.decode_f8(codes, scale)
+    assert torch.equal(dq, codes.float() * s)
+    assert bool(((dq - x).abs() <= (x.abs() * 2**-4).clamp_min(s * 2**-10) * (1 + 1e-6)).all())  # half an e4m3 ulp
+    assert abs(float(dq.abs().max()) / float(x.abs().max()) - 1) < 2**-22  # the block maximum: to fp32 rounding
+
+
+def test_f8_negative_control():
+    x = torch.randn(1000, generator=gen(41))
+    codes, scale = C.encode_f8(x)
+    wrong = (x / (scale * 2).repeat_interleave(C.BLOCK)[:1000]).to(torch.float8_e4m3fn)
+    assert not torch.equal(wrong.view(torch.uint8), codes.view(torch.uint8))
+    assert float((C.decode_f8(wrong, scale) - x).abs().max()) > 0.3
+
+
 # ---------------------------------------------------------------- bf16 parameter + int16 remainder
 def bit_patterns():
     """Every class: random normals, subnormals, +-0, +-inf, NaNs, both ties, the largest finite values,
@@ -292,8 +315,12 @@ def test_fp32_states_equal_fused_adam_ref_and_torch_adamw():
             torch.testing.assert_close(q, r.detach(), rtol=1e-6, atol=1e-7)
 
 
+F8 = torch.float8_e4m3fn
+
+
 @pytest.mark.parametrize("fmt,tol", [(dict(exp_avg_dtype=BF, exp_avg_sq_dtype=BF), 0.02),
-                                     (dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8), 0.1)], ids=["bf16", "8bit"])
+                                     (dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8), 0.1),
+                                     (dict(exp_avg_dtype=F8, exp_avg_sq_dtype=F8), 0.1)], ids=["bf16", "8bit", "fp8"])
 def test_coded_moments_track_fp32(fmt, tol):
     """Coded moments stay near the fp32 run (relative to the total movement), and are stored coded."""
     p0 = [torch.randn(s, generator=gen(26)) for s in SHAPES]
@@ -305,7 +332,8 @@ def test_coded_moments_track_fp32(fmt, tol):
     assert float((cat(a) - cat(b)).norm()) < tol * float((cat(b) - cat(p0)).norm())
     for z in p0:
         s = C.init_coded_state(z, **fmt)
-        want = BF if fmt["exp_avg_dtype"] == BF else (U8 if z.numel() >= C.BLOCK else torch.float32)
+        dt = fmt["exp_avg_dtype"]
+        want = dt if dt == BF or z.numel() >= C.BLOCK else torch.float32
         assert s["exp_avg"].dtype == want and s["exp_avg_sq"].dtype == want
 
 
@@ -321,8 +349,9 @@ def test_found_inf_changes_nothing():
 
 @pytest.mark.parametrize("fmt,limit", [(dict(), 12), (dict(exp_avg_dtype=BF, exp_avg_sq_dtype=BF), 8),
                                        (dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8), 6.1),
-                                       (dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8, store_param_remainders=True), 4.1)],
-                         ids=["fp32", "bf16", "8bit", "8bit+remainders"])
+                                       (dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8, store_param_remainders=True), 4.1),
+                                       (dict(exp_avg_dtype=F8, exp_avg_sq_dtype=F8), 6.1)],
+                         ids=["fp32", "bf16", "8bit", "8bit+remainders", "fp8"])
 def test_state_bytes_per_parameter(fmt, limit):
     p = torch.zeros(1_000_003, dtype=BF)                                # not a multiple of 256
     per = C.state_nbytes(C.init_coded_state(p, **fmt)) / p.numel()
@@ -342,3 +371,17 @@ def test_small_tensors_keep_fp32_and_bad_arguments_raise():
         C.init_coded_state(torch.zeros(3), m_code="sqrt_unsigned")
     with pytest.raises(ValueError, match="bf16_rounding"):
         C.adam_step_coded(torch.zeros(3), torch.zeros(3), C.init_coded_state(torch.zeros(3)), bf16_rounding="up", **HP[0])
+
+
+def test_quality_script_smoke(capsys, monkeypatch):
+    """bench/quality_states.py runs end to end (3 steps; the real run is the benchmark, not a test)."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "quality_states.py"
+    spec = importlib.util.spec_from_file_location("quality_states", path)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(__import__("sys").modules, "quality_states", mod)   # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    mod.main(["--steps", "3", "--only", "8-bit + remainders", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "| torch AdamW fp32 | " in out and "| ours bf16 params, 8-bit + remainders | " in out

@@ -37,7 +37,12 @@ Integer arithmetic below is on uint32 (wrapping); here it runs on int64 tensors 
    ``V_CODE`` for exp_avg_sq. Tensors with fewer than ``min_8bit_size`` (default one block) elements
    keep fp32 states.
 
-3. **bf16 parameter + int16 remainder** (``split_remainder`` / ``join_remainder``) for
+3. **float8_e4m3fn blockwise** (``encode_f8`` / ``decode_f8``): the same 256-element blocks, one fp32
+   ``scale = absmax / 448`` per block (448 = e4m3fn's largest finite value), ``code = e4m3fn(x / scale)``
+   (IEEE division, then round-to-nearest-even into e4m3fn, torch's cast; y = 0 where scale == 0),
+   ``x' = float(code) * scale``. Signed for both moments (e4m3fn has a sign bit).
+
+4. **bf16 parameter + int16 remainder** (``split_remainder`` / ``join_remainder``) for
    ``store_param_remainders``: with ``b`` = the master's fp32 bits,
 
        hi  = (b + 0x7FFF + ((b >> 16) & 1)) >> 16       # round-to-nearest-even: torch's .bfloat16()
@@ -64,6 +69,7 @@ from .reference import compute_coeffs, fused_adam_ref
 __all__ = [
     "BLOCK", "M32", "fmix32", "sr_key", "sr_bits", "encode_bf16_sr", "encode_bf16_rne",
     "dynamic_map", "CODE_BOOKS", "M_CODE", "V_CODE", "midpoints", "encode_q8", "decode_q8",
+    "F8_MAX", "encode_f8", "decode_f8",
     "split_remainder", "join_remainder", "remainder_is_lossy",
     "init_coded_state", "state_nbytes", "adam_step_coded",
 ]
@@ -179,9 +185,25 @@ def decode_q8(codes: Tensor, scale: Tensor, table: Tensor) -> Tensor:
     return (table.to(codes.device)[codes.reshape(-1).long()] * block_scale).view(codes.shape)
 
 
+F8_MAX = 448.0
+
+
+def encode_f8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 -> (float8_e4m3fn codes shaped like x, fp32 scales [ceil(numel / BLOCK)])."""
+    xb = _blocks(x)
+    scale = xb.abs().amax(dim=1) / F8_MAX
+    y = torch.where(scale[:, None] == 0, 0.0, xb / scale[:, None])
+    return y.reshape(-1)[: x.numel()].to(torch.float8_e4m3fn).view(x.shape), scale
+
+
+def decode_f8(codes: Tensor, scale: Tensor) -> Tensor:
+    """(float8_e4m3fn codes, fp32 block scales) -> fp32 shaped like codes."""
+    return (codes.reshape(-1).float() * scale.repeat_interleave(BLOCK)[: codes.numel()]).view(codes.shape)
+
+
 # ---------------------------------------------------------------- bf16 param + int16 remainder
 def split_remainder(master: Tensor) -> tuple[Tensor, Tensor]:
-    """fp32 master -> (bf16 = round-to-nearest-even(master), int16 remainder); see the Note, 3."""
+    """fp32 master -> (bf16 = round-to-nearest-even(master), int16 remainder); see the Note, 4."""
     b = _bits(master.float())
     nan = torch.isnan(master)
     hi = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
@@ -203,7 +225,8 @@ def remainder_is_lossy(master: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------- coded Adam state and the reference step
-_MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.uint8, torch.float8_e4m3fn)
+_BLOCKWISE = (torch.uint8, torch.float8_e4m3fn)
 _ROUNDINGS = {"stochastic": encode_bf16_sr, "nearest": encode_bf16_rne}
 
 
@@ -220,8 +243,9 @@ def init_coded_state(param: Tensor, *, exp_avg_dtype: torch.dtype = torch.float3
                      master_weights: bool = True, min_8bit_size: int = BLOCK,
                      m_code: str = M_CODE, v_code: str = V_CODE) -> dict[str, Tensor]:
     """A fresh state dict of plain tensors: ``step``, ``exp_avg`` / ``exp_avg_sq`` in their stored dtype
-    (+ ``exp_avg_scale`` / ``exp_avg_sq_scale`` for uint8), and ``master_param`` (fp32) or
-    ``master_remainder`` (int16) for 16-bit parameters. uint8 falls back to fp32 below min_8bit_size."""
+    (+ ``exp_avg_scale`` / ``exp_avg_sq_scale`` for uint8 / float8_e4m3fn), and ``master_param`` (fp32)
+    or ``master_remainder`` (int16) for 16-bit parameters. Blockwise formats fall back to fp32 below
+    min_8bit_size elements."""
     for name, dt in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
         if dt not in _MOMENT_DTYPES:
             raise ValueError(f"{name}={dt} is not supported; use one of {list(_MOMENT_DTYPES)}")
@@ -232,8 +256,8 @@ def init_coded_state(param: Tensor, *, exp_avg_dtype: torch.dtype = torch.float3
     zeros = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
     for key, dt, table in (("exp_avg", exp_avg_dtype, _check_code(m_code, "m_code", True)),
                            ("exp_avg_sq", exp_avg_sq_dtype, _check_code(v_code, "v_code", False))):
-        if dt == torch.uint8 and param.numel() >= min_8bit_size:
-            state[key], state[key + "_scale"] = encode_q8(zeros, table)
+        if dt in _BLOCKWISE and param.numel() >= min_8bit_size:
+            state[key], state[key + "_scale"] = encode_q8(zeros, table) if dt == torch.uint8 else encode_f8(zeros)
         else:
             state[key] = torch.zeros(param.shape, dtype=torch.bfloat16 if dt == torch.bfloat16 else torch.float32,
                                      device=param.device)
@@ -251,13 +275,15 @@ def state_nbytes(state: dict[str, Tensor]) -> int:
 
 def _decode(state: dict[str, Tensor], key: str, table: Tensor) -> Tensor:
     s = state[key]
-    return decode_q8(s, state[key + "_scale"], table) if s.dtype == torch.uint8 else s.float()
+    if s.dtype == torch.uint8:
+        return decode_q8(s, state[key + "_scale"], table)
+    return decode_f8(s, state[key + "_scale"]) if s.dtype == torch.float8_e4m3fn else s.float()
 
 
 def _encode(state: dict[str, Tensor], key: str, x: Tensor, table: Tensor, rounding: str, sr: dict) -> None:
     s = state[key]
-    if s.dtype == torch.uint8:
-        codes, scale = encode_q8(x, table)
+    if s.dtype in _BLOCKWISE:
+        codes, scale = encode_q8(x, table) if s.dtype == torch.uint8 else encode_f8(x)
         s.copy_(codes)
         state[key + "_scale"].copy_(scale)
     elif s.dtype == torch.bfloat16:
