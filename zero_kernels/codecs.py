@@ -1,0 +1,328 @@
+"""Low-precision Adam-state codecs (issue 11): the pure-torch definition every kernel reproduces.
+
+[Note: state codecs]
+A *codec* stores an fp32 quantity in fewer bytes. Kernels decode to fp32 in registers, run the fp32
+update of ``fused_adam_ref`` and encode again in the same pass; no fp32 copy lives between steps.
+Integer arithmetic below is on uint32 (wrapping); here it runs on int64 tensors masked to 32 bits.
+
+1. **bf16, stochastic rounding** (``encode_bf16_sr``; decode is ``.float()``). For element ``i`` (its
+   flat index in the FULL tensor, mod 2^32: a ZeRO shard passes its offset as ``index_offset``, so the
+   bits do not depend on the world size), step ``t`` (the incremented step count), per-tensor ``seed``
+   and ``stream`` (0 for exp_avg, 1 for exp_avg_sq):
+
+       fmix32(h):  h ^= h >> 16; h *= 0x85EBCA6B; h ^= h >> 13; h *= 0xC2B2AE35; h ^= h >> 16
+       key  = fmix32(seed ^ fmix32(2*t + stream))          # one scalar per tensor, step and moment
+       r    = fmix32(i ^ key) >> 16                          # 16 uniform random bits per element
+       bf16 = (bits(x) + r) >> 16                            # carry = round up with P = low16(x) / 2^16
+       NaN  -> 0x7FC0 (torch's canonical bf16 NaN); +-inf stay inf (their low bits are 0).
+
+   P(round away from zero) = low16 / 65536 exactly over the 2^16 values of r: E[bf16] = x (unbiased),
+   so beta2 = 0.999 updates (0.1%, below half a bf16 ulp) accumulate instead of freezing as with
+   round-to-nearest (``encode_bf16_rne``, kept as the negative control and for comparison).
+
+2. **8-bit blockwise** (``encode_q8`` / ``decode_q8``): blocks of ``BLOCK`` = 256 consecutive elements
+   of the state buffer, counted from its first element (the last block may be partial; ZeRO pads
+   shards to whole blocks so no block straddles ranks). Per block one fp32 ``scale`` = max |x| over
+   the block (NaN if the block holds a NaN). With a code book ``table`` (256 increasing fp32 values in
+   [-1, 1], data passed to the kernel) and its fp32 ``midpoints`` ``(table[k] + table[k+1]) / 2``:
+
+       y    = x / scale  (IEEE round-to-nearest division; y = 0 where scale == 0)
+       code = number of midpoints strictly below y     (nearest entry; a tie takes the lower code)
+       x'   = table[code] * scale                       (one fp32 multiply)
+
+   A kernel computes ``code`` with an 8-step branchless binary search over ``midpoints``.
+   ``CODE_BOOKS``: ``dynamic_signed`` / ``dynamic_unsigned`` (bitsandbytes' ``create_dynamic_map``, bit
+   for bit), ``linear_signed`` ((k - 127) / 127), ``linear_unsigned`` (k / 255), ``sqrt_unsigned``
+   ((k / 255)^2). Defaults ``M_CODE = "dynamic_signed"``, ``V_CODE = "dynamic_unsigned"`` (the maps of
+   bitsandbytes and torchao), chosen by bench/quality_states.py --codebooks: a linear v code book
+   diverges (small v quantize to 0, then m / (0 + eps) explodes: NaN loss), sqrt v ties dynamic v
+   (loss ratios 0.9991 both), linear m is no better (0.9997). Tensors with fewer than
+   ``min_8bit_size`` (default one block) elements keep fp32 states.
+
+3. **float8_e4m3fn blockwise** (``encode_f8`` / ``decode_f8``): the same 256-element blocks, one fp32
+   ``scale = absmax / 448`` per block (448 = e4m3fn's largest finite value), ``code = e4m3fn(x / scale)``
+   (IEEE division, then round-to-nearest-even into e4m3fn, torch's cast; y = 0 where scale == 0),
+   ``x' = float(code) * scale``. Signed for both moments (e4m3fn has a sign bit).
+
+4. **bf16 parameter + int16 remainder** (``split_remainder`` / ``join_remainder``) for
+   ``store_param_remainders``: with ``b`` = the master's fp32 bits,
+
+       hi  = (b + 0x7FFF + ((b >> 16) & 1)) >> 16       # round-to-nearest-even: torch's .bfloat16()
+       rem = b - (hi << 16)                              # in [-0x8000, 0x8000], stored as int16
+       join: b = (hi << 16) + rem   (int32 wrap)
+
+   ``hi`` is exactly the bf16 parameter an fp32-master run writes. By counting, no int16 can hold all
+   of it: an even ``hi`` is the nearest-even rounding of 65537 fp32 patterns (both ties), so one case
+   is lossy. Rule: ``rem = +0x8000`` (a tie rounded DOWN to an even ``hi``) is stored as ``0x7FFF``,
+   i.e. that master loses one fp32 ulp towards ``hi`` (``hi`` itself stays correct). Every other
+   pattern round-trips bit for bit (normals, subnormals, +-0, +-inf, the other tie); NaN masters become
+   ``hi = 0x7FC0, rem = 0`` (NaN in, canonical NaN out). apex/TransformerEngine round ties up instead,
+   so their bf16 parameter differs from round-to-nearest-even at half the ties. Measured on the
+   quality-run model (437,760 bf16 params), about 1 in 10^5 element-steps hits the lossy tie; the bf16
+   parameters of the two runs stayed identical for 37 steps, then a nudged master rounded differently.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .reference import compute_coeffs, fused_adam_ref
+
+__all__ = [
+    "BLOCK", "M32", "fmix32", "sr_key", "sr_bits", "encode_bf16_sr", "encode_bf16_rne",
+    "dynamic_map", "CODE_BOOKS", "M_CODE", "V_CODE", "midpoints", "encode_q8", "decode_q8",
+    "F8_MAX", "encode_f8", "decode_f8",
+    "split_remainder", "join_remainder", "remainder_is_lossy",
+    "init_coded_state", "state_nbytes", "adam_step_coded",
+]
+
+BLOCK = 256
+M32 = 0xFFFFFFFF
+_GOLDEN = (0x85EBCA6B, 0xC2B2AE35)
+
+
+# ---------------------------------------------------------------- uint32 hash (ints or int64 tensors)
+def _mul32(a, c: int):
+    """(a * c) mod 2^32 without int64 overflow: a < 2^32, c a 32-bit constant, split in 16-bit halves."""
+    return (a * (c & 0xFFFF) + (((a * (c >> 16)) & 0xFFFF) << 16)) & M32
+
+
+def fmix32(h):
+    """MurmurHash3's 32-bit finalizer on a Python int or an int64 tensor holding uint32 values."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, _GOLDEN[0])
+    h = h ^ (h >> 13)
+    h = _mul32(h, _GOLDEN[1])
+    return h ^ (h >> 16)
+
+
+def sr_key(seed: int, step: int, stream: int) -> int:
+    """The per-(tensor, step, moment) scalar key of [Note: state codecs] 1."""
+    return fmix32((seed & M32) ^ fmix32((2 * step + stream) & M32))
+
+
+def sr_bits(numel: int, key: int, index_offset: int = 0, device=None) -> Tensor:
+    """16 random bits per element (int64 in [0, 2^16)) for flat indices index_offset .. + numel."""
+    idx = (torch.arange(numel, dtype=torch.int64, device=device) + index_offset) & M32
+    return fmix32(idx ^ key) >> 16
+
+
+# ---------------------------------------------------------------- bf16
+def _bits(x: Tensor) -> Tensor:
+    return x.contiguous().view(torch.int32).to(torch.int64) & M32
+
+
+def _as_bf16(hi: Tensor) -> Tensor:
+    """int64 holding uint16 bf16 bit patterns -> bfloat16 tensor."""
+    return (hi - ((hi & 0x8000) << 1)).to(torch.int16).view(torch.bfloat16)
+
+
+def encode_bf16_sr(x: Tensor, *, seed: int, step: int, stream: int, index_offset: int = 0) -> Tensor:
+    """fp32 -> bf16 with the deterministic stochastic rounding of [Note: state codecs] 1."""
+    x = x.float()
+    r = sr_bits(x.numel(), sr_key(seed, step, stream), index_offset, x.device).view(x.shape)
+    hi = ((_bits(x) + r) >> 16) & 0xFFFF
+    return _as_bf16(torch.where(torch.isnan(x), 0x7FC0, hi))
+
+
+def encode_bf16_rne(x: Tensor, **_unused) -> Tensor:
+    """fp32 -> bf16 round-to-nearest-even (torch's cast): loses updates below half an ulp."""
+    return x.float().bfloat16()
+
+
+# ---------------------------------------------------------------- 8-bit blockwise
+def dynamic_map(signed: bool) -> Tensor:
+    """bitsandbytes' ``create_dynamic_map(signed, max_exponent_bits=7, total_bits=8)``, reproduced:
+    for exponent e = 0..6, linear fractions in [0.1, 1] times 10^(e-6) (more fraction bits at larger
+    exponents), plus 0 and 1; sorted; 256 fp32 values."""
+    data: list[float] = []
+    for e in range(7):
+        n = 2 ** e + 1 if signed else 2 ** (e + 1) + 1
+        bounds = torch.linspace(0.1, 1, n, dtype=torch.float32)
+        means = (bounds[:-1] + bounds[1:]) / 2.0
+        data += ((10 ** (e - 6)) * means).tolist()          # an fp32 tensor op, as bitsandbytes does
+        if signed:
+            data += (-(10 ** (e - 6)) * means).tolist()
+    data += [0.0, 1.0]
+    data += [0.0] * (256 - len(data))
+    return torch.tensor(sorted(data), dtype=torch.float32)
+
+
+_K = torch.arange(256, dtype=torch.float32)
+CODE_BOOKS: dict[str, Tensor] = {
+    "dynamic_signed": dynamic_map(True),
+    "dynamic_unsigned": dynamic_map(False),
+    "linear_signed": (_K - 127) / 127,
+    "linear_unsigned": _K / 255,
+    "sqrt_unsigned": (_K / 255) ** 2,
+}
+M_CODE = "dynamic_signed"
+V_CODE = "dynamic_unsigned"
+
+
+def midpoints(table: Tensor) -> Tensor:
+    """The 255 fp32 decision boundaries of a code book."""
+    return (table[:-1] + table[1:]) / 2
+
+
+def _blocks(x: Tensor) -> Tensor:
+    n = x.numel()
+    nb = -(-n // BLOCK)
+    return torch.nn.functional.pad(x.reshape(-1).float(), (0, nb * BLOCK - n)).view(nb, BLOCK)
+
+
+def encode_q8(x: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 -> (uint8 codes shaped like x, fp32 scales [ceil(numel / BLOCK)])."""
+    xb = _blocks(x)
+    scale = xb.abs().amax(dim=1)
+    y = torch.where(scale[:, None] == 0, 0.0, xb / scale[:, None])
+    codes = torch.bucketize(y, midpoints(table.to(y.device)), right=False)
+    return codes.reshape(-1)[: x.numel()].to(torch.uint8).view(x.shape), scale
+
+
+def decode_q8(codes: Tensor, scale: Tensor, table: Tensor) -> Tensor:
+    """(uint8 codes, fp32 block scales) -> fp32 shaped like codes."""
+    n = codes.numel()
+    block_scale = scale.repeat_interleave(BLOCK)[:n]
+    return (table.to(codes.device)[codes.reshape(-1).long()] * block_scale).view(codes.shape)
+
+
+F8_MAX = 448.0
+
+
+def encode_f8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 -> (float8_e4m3fn codes shaped like x, fp32 scales [ceil(numel / BLOCK)])."""
+    xb = _blocks(x)
+    scale = xb.abs().amax(dim=1) / F8_MAX
+    y = torch.where(scale[:, None] == 0, 0.0, xb / scale[:, None])
+    return y.reshape(-1)[: x.numel()].to(torch.float8_e4m3fn).view(x.shape), scale
+
+
+def decode_f8(codes: Tensor, scale: Tensor) -> Tensor:
+    """(float8_e4m3fn codes, fp32 block scales) -> fp32 shaped like codes."""
+    return (codes.reshape(-1).float() * scale.repeat_interleave(BLOCK)[: codes.numel()]).view(codes.shape)
+
+
+# ---------------------------------------------------------------- bf16 param + int16 remainder
+def split_remainder(master: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 master -> (bf16 = round-to-nearest-even(master), int16 remainder); see the Note, 4."""
+    b = _bits(master.float())
+    nan = torch.isnan(master)
+    hi = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+    rem = torch.clamp(b - (hi << 16), max=0x7FFF)
+    return _as_bf16(torch.where(nan, 0x7FC0, hi)), torch.where(nan, 0, rem).to(torch.int16)
+
+
+def join_remainder(param: Tensor, rem: Tensor) -> Tensor:
+    """(bf16 parameter, int16 remainder) -> the fp32 master, exactly."""
+    hi = param.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    b = ((hi << 16) + rem.to(torch.int64)) & M32
+    return (b - ((b & 0x80000000) << 1)).to(torch.int32).view(torch.float32)
+
+
+def remainder_is_lossy(master: Tensor) -> Tensor:
+    """Where :func:`split_remainder` drops one ulp: low 16 bits exactly 0x8000 above an even bf16."""
+    b = _bits(master.float())
+    return ((b & 0xFFFF) == 0x8000) & (((b >> 16) & 1) == 0) & ~torch.isnan(master)
+
+
+# ---------------------------------------------------------------- coded Adam state and the reference step
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.uint8, torch.float8_e4m3fn)
+_BLOCKWISE = (torch.uint8, torch.float8_e4m3fn)
+_ROUNDINGS = {"stochastic": encode_bf16_sr, "nearest": encode_bf16_rne}
+
+
+def _check_code(name: str, which: str, signed: bool) -> Tensor:
+    if name not in CODE_BOOKS:
+        raise ValueError(f"{which}={name!r} is not a code book; expected one of {sorted(CODE_BOOKS)}")
+    if signed and not bool(CODE_BOOKS[name][0] < 0):
+        raise ValueError(f"{which}={name!r} is unsigned but exp_avg is signed; pick a *_signed code book")
+    return CODE_BOOKS[name]
+
+
+def init_coded_state(param: Tensor, *, exp_avg_dtype: torch.dtype = torch.float32,
+                     exp_avg_sq_dtype: torch.dtype = torch.float32, store_param_remainders: bool = False,
+                     master_weights: bool = True, min_8bit_size: int = BLOCK,
+                     m_code: str = M_CODE, v_code: str = V_CODE) -> dict[str, Tensor]:
+    """A fresh state dict of plain tensors: ``step``, ``exp_avg`` / ``exp_avg_sq`` in their stored dtype
+    (+ ``exp_avg_scale`` / ``exp_avg_sq_scale`` for uint8 / float8_e4m3fn), and ``master_param`` (fp32)
+    or ``master_remainder`` (int16) for 16-bit parameters. Blockwise formats fall back to fp32 below
+    min_8bit_size elements."""
+    for name, dt in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
+        if dt not in _MOMENT_DTYPES:
+            raise ValueError(f"{name}={dt} is not supported; use one of {list(_MOMENT_DTYPES)}")
+    if store_param_remainders and param.dtype != torch.bfloat16:
+        raise ValueError(f"store_param_remainders=True needs bf16 parameters, got {param.dtype}: the fp32 "
+                         "master is kept as the bf16 parameter's bits plus an int16 remainder")
+    state = {"step": torch.zeros((), dtype=torch.float32)}
+    zeros = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+    for key, dt, table in (("exp_avg", exp_avg_dtype, _check_code(m_code, "m_code", True)),
+                           ("exp_avg_sq", exp_avg_sq_dtype, _check_code(v_code, "v_code", False))):
+        if dt in _BLOCKWISE and param.numel() >= min_8bit_size:
+            state[key], state[key + "_scale"] = encode_q8(zeros, table) if dt == torch.uint8 else encode_f8(zeros)
+        else:
+            state[key] = torch.zeros(param.shape, dtype=torch.bfloat16 if dt == torch.bfloat16 else torch.float32,
+                                     device=param.device)
+    if store_param_remainders:
+        state["master_remainder"] = torch.zeros(param.shape, dtype=torch.int16, device=param.device)
+    elif param.dtype != torch.float32 and master_weights:
+        state["master_param"] = param.detach().float().clone()
+    return state
+
+
+def state_nbytes(state: dict[str, Tensor]) -> int:
+    """Bytes of optimizer state (master or remainder, moments, scales), the step counter excluded."""
+    return sum(t.numel() * t.element_size() for k, t in state.items() if k != "step")
+
+
+def _decode(state: dict[str, Tensor], key: str, table: Tensor) -> Tensor:
+    s = state[key]
+    if s.dtype == torch.uint8:
+        return decode_q8(s, state[key + "_scale"], table)
+    return decode_f8(s, state[key + "_scale"]) if s.dtype == torch.float8_e4m3fn else s.float()
+
+
+def _encode(state: dict[str, Tensor], key: str, x: Tensor, table: Tensor, rounding: str, sr: dict) -> None:
+    s = state[key]
+    if s.dtype in _BLOCKWISE:
+        codes, scale = encode_q8(x, table) if s.dtype == torch.uint8 else encode_f8(x)
+        s.copy_(codes)
+        state[key + "_scale"].copy_(scale)
+    elif s.dtype == torch.bfloat16:
+        s.copy_(_ROUNDINGS[rounding](x, **sr))
+    else:
+        s.copy_(x)
+
+
+def adam_step_coded(param: Tensor, grad: Tensor, state: dict[str, Tensor], *, lr: float, beta1: float,
+                    beta2: float, eps: float, weight_decay: float, adamw: bool, maximize: bool = False,
+                    seed: int = 0, index_offset: int = 0, bf16_rounding: str = "stochastic",
+                    m_code: str = M_CODE, v_code: str = V_CODE, grad_scale: Tensor | None = None,
+                    found_inf: Tensor | None = None) -> None:
+    """One Adam/AdamW step of one tensor on coded states (from :func:`init_coded_state`), in place:
+    decode to fp32, the update of :func:`fused_adam_ref` (same formula and order), encode. With
+    ``master_remainder`` the master is joined from / split into (param, remainder); bf16 moments use
+    stochastic rounding (``seed``, ``index_offset``: [Note: state codecs] 1) or ``"nearest"``."""
+    if bf16_rounding not in _ROUNDINGS:
+        raise ValueError(f"bf16_rounding={bf16_rounding!r}; expected one of {sorted(_ROUNDINGS)}")
+    if grad.shape != param.shape:
+        raise ValueError(f"grad shape {tuple(grad.shape)} != param shape {tuple(param.shape)}")
+    m_table, v_table = _check_code(m_code, "m_code", True), _check_code(v_code, "v_code", False)
+    if found_inf is not None and bool(found_inf.reshape(()) != 0):
+        return                                   # an inf/NaN gradient step changes nothing
+    state["step"] += 1
+    t = int(state["step"])
+    coeffs = compute_coeffs([state["step"]], lr, beta1, beta2, weight_decay, adamw)
+    rem = state.get("master_remainder")
+    master = join_remainder(param, rem) if rem is not None else state.get("master_param", param)
+    params16 = [param] if "master_param" in state else None
+    m, v = _decode(state, "exp_avg", m_table), _decode(state, "exp_avg_sq", v_table)
+    fused_adam_ref([master], [grad], [m], [v], None, params16, coeffs, beta1=beta1, beta2=beta2, eps=eps,
+                   weight_decay=weight_decay, adamw=adamw, maximize=maximize, grad_scale=grad_scale)
+    for key, x, table, stream in (("exp_avg", m, m_table, 0), ("exp_avg_sq", v, v_table, 1)):
+        sr = dict(seed=seed, step=t, stream=stream, index_offset=index_offset)
+        _encode(state, key, x, table, bf16_rounding, sr)
+    if rem is not None:
+        hi, low = split_remainder(master)
+        param.copy_(hi)
+        rem.copy_(low)
