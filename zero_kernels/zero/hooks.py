@@ -2,8 +2,8 @@
 
 [Note: stage-2 gradient flow]
 1. ``register_post_accumulate_grad_hook`` fires once per parameter per backward (tied parameters
-   are one Parameter, so once). The hook takes ``p.grad`` (sets it to None: the full-size gradient
-   is never kept).
+   are one Parameter, so once). The hook takes ``p.grad`` (and leaves an empty placeholder, [Note: gradient
+   placeholders] in grad_guard.py: the full-size gradient is never kept).
 2. The hook copies it at once into its region of the bucket's full-size accumulation buffer
    (one ``copy_``/``add_`` on a view, cast to ``reduce_dtype``, fp32 by default: no flatten
    launch and no host-to-device copy of pointer tables per gradient), so autograd's gradient is freed right away, as DDP frees
@@ -49,6 +49,7 @@ from torch.autograd import Variable
 
 from . import collectives as C
 from .buckets import FlatBucket
+from .grad_guard import ShardedGrad, take_grad
 
 __all__ = ["Stage2Reducer"]
 
@@ -59,6 +60,8 @@ def _region(b: FlatBucket, buf: torch.Tensor, li: int) -> torch.Tensor:
 
 
 class Stage2Reducer:
+    stage = 2                               # named by the p.grad placeholders ([Note: gradient placeholders])
+
     def __init__(self, buckets: list[FlatBucket], group, reduce_dtype: torch.dtype, overlap_comm: bool,
                  mark_grad: Callable[[int, int], None], pool_keep: int = 0, timeout=None):
         self.buckets = buckets
@@ -80,6 +83,7 @@ class Stage2Reducer:
         self.pool_keep = pool_keep          # see note, point 6 (ZeroAdamW uses 2)
         self.timeout = timeout              # ZeroAdamW(timeout=...): bounded waits during backward too
         self._pool_numel = max((b.spec.padded_numel for b in buckets), default=0)
+        self._placeholders: dict[tuple[int, int], ShardedGrad] = {}   # p.grad after its gradient arrived
 
     def set_expected(self, flags_per_bucket: list[list[bool]]) -> None:
         self.expected = flags_per_bucket
@@ -125,11 +129,11 @@ class Stage2Reducer:
         if not self.in_backward:
             self.in_backward = True
             Variable._execution_engine.queue_callback(self.post_backward)
-        g = p.grad
-        p.grad = None
+        g = take_grad(p)
         if g is None:
             return
         self.mark_grad(b.index, li)
+        p.grad = self._placeholder(b, li, p)
         if b.reduce.launched:                      # late: its bucket already left (see note, point 4)
             if b.reduce.late_acc is None:
                 b.reduce.late_acc = torch.zeros(b.spec.padded_numel, dtype=self.reduce_dtype, device=b.device)
@@ -143,6 +147,13 @@ class Stage2Reducer:
         if self.arrived_expected[b.index] >= self.expected_count[b.index] or b.reduce.arrived == len(b.params):
             if self.sync and self.overlap_comm:
                 self._launch_ready()
+
+    def _placeholder(self, b: FlatBucket, li: int, p: torch.nn.Parameter) -> ShardedGrad:
+        """p.grad from now until the step: use by torch raises ([Note: gradient placeholders])."""
+        ph = self._placeholders.get((b.index, li))
+        if ph is None:
+            ph = self._placeholders[(b.index, li)] = ShardedGrad(p, b.param_specs[li].name, self.stage)
+        return ph
 
     def _add_grad(self, b: FlatBucket, li: int, g: torch.Tensor) -> None:
         """Put parameter li's gradient into b's accumulation buffer: copied when it is li's first

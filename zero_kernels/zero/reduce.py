@@ -22,6 +22,7 @@ from torch import Tensor
 from . import collectives as C
 from .buckets import FlatBucket
 from .flat import flatten
+from .grad_guard import local_grad
 
 __all__ = ["Stage1Reducer"]
 
@@ -46,7 +47,7 @@ class Stage1Reducer:
         return t
 
     def _send_buffer(self, b: FlatBucket) -> Tensor:
-        grads = [p.grad for p in b.params]
+        grads = [local_grad(p) for p in b.params]      # [Note: gradient placeholders]
         flat = b.reduce.grad_flat
         views = flat is not None and all(
             g is None or g.data_ptr() == v.data_ptr() for g, v in zip(grads, b.grad_views()))

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from . import collectives as C
 from .buckets import FlatBucket
+from .grad_guard import local_grad
 from .hooks import Stage2Reducer
 from .report import nbytes, state_report
 from .strategy import HookReduced, StrategyContext
@@ -52,6 +53,7 @@ __all__ = ["Stage3", "Stage3Reducer"]
 
 # ---- the reducer: stage 2's, plus "free a bucket once all its gradients arrived" ---------------------
 class Stage3Reducer(Stage2Reducer):
+    stage = 3
     def __init__(self, *args, on_backward_start: Callable[[], None], free_bucket: Callable[[UnitBucket], None],
                  **kwargs):
         super().__init__(*args, **kwargs)
@@ -147,7 +149,7 @@ class Stage3(HookReduced):
     def memory_report(self) -> dict[str, Any]:
         bs, rt = self.ctx.buckets, self.runtime
         rep = state_report(bs, sum(nbytes(b.shard) + b.held_bytes() for b in bs))
-        rep["grads"] += sum(nbytes(p.grad) for b in bs for p in b.params)
+        rep["grads"] += sum(nbytes(local_grad(p)) for b in bs for p in b.params)
         rep = self.ctx.report(rep, 3, self.reducer.pool_bytes())
         # freed gathered buffers kept for reuse (process-wide; ZeroAdamW.empty_cache() releases them)
         rep["gather_cache"] = gather_cache_stats()["cached_bytes"]

@@ -24,6 +24,7 @@ from torch import Tensor
 from . import collectives as C
 from .buckets import FlatBucket
 from .gather import ParamGatherer
+from .grad_guard import Stage1GradGuard, local_grad
 from .hooks import Stage2Reducer
 from .reduce import Stage1Reducer
 from .report import finish_report, nbytes, state_report
@@ -101,11 +102,11 @@ class _GatheredParams:
         seen = set()
         for b in bs:                # .grad tensors that are not views of the bucket's grad_flat
             base = b.reduce.grad_flat.data_ptr() if b.reduce.grad_flat is not None else None
-            for p in b.params:
-                if p.grad is not None and id(p.grad) not in seen:
-                    seen.add(id(p.grad))
-                    if base is None or not (base <= p.grad.data_ptr() < base + nbytes(b.reduce.grad_flat)):
-                        rep["grads"] += nbytes(p.grad)
+            for g in map(local_grad, b.params):
+                if g is not None and id(g) not in seen:
+                    seen.add(id(g))
+                    if base is None or not (base <= g.data_ptr() < base + nbytes(b.reduce.grad_flat)):
+                        rep["grads"] += nbytes(g)
         return self.ctx.report(rep, self.stage, self.comm_bytes())
 
     def remove(self) -> None:
@@ -118,6 +119,11 @@ class Stage1(_GatheredParams):
     def __init__(self, ctx: StrategyContext, units=None):
         super().__init__(ctx)
         self.reducer = Stage1Reducer(ctx.buckets, ctx.group, ctx.config.reduce_dtype, ctx.config.overlap_comm)
+        self.guard = Stage1GradGuard([(ps.name, p) for b in ctx.buckets for ps, p in zip(b.param_specs, b.params)])
+
+    def remove(self) -> None:
+        super().remove()
+        self.guard.remove()
 
     @contextlib.contextmanager
     def no_sync(self):

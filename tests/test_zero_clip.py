@@ -1,0 +1,141 @@
+"""Issue 13 item 6: torch's gradient clipping on a ZeRO model fails loudly instead of silently.
+
+Before the fix, ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` after backward
+returned 0.0 and clipped nothing at stages 2-3 (p.grad was None) and clipped each rank by the
+norm of its own local gradient at stage 1. Now p.grad is a ShardedGrad placeholder
+([Note: gradient placeholders] in zero_kernels/zero/grad_guard.py): torch's clip (directly, via
+clip_grad_value_, or via accelerate's Accelerator.clip_grad_norm_) raises ShardedGradError naming
+``zopt.clip_grad_norm_(max_norm)`` before anything is modified, and that fix gives the parameters of
+DDP + torch clip + torch.optim.AdamW (world 2, gloo, stages 1-3). The negative control puts back
+what p.grad held before the fix and shows the same check flags it. The Lightning precision plugin
+routes gradient_clip_val to zopt.clip_grad_norm_; the Hugging Face ZeroTrainer overrides the
+Trainer's clipping hooks (the end-to-end runs are tests/test_lightning.py and tests/test_hf.py).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _dist import run_world  # noqa: E402
+from test_zero import batch, loss_fn, make_model  # noqa: E402
+
+import zero_kernels as zk  # noqa: E402
+from zero_kernels.zero.grad_guard import ShardedGrad, ShardedGradError, local_grad  # noqa: E402
+
+MAX_NORM = 0.05          # below every step's gradient norm: clipping is active on every step
+STEPS = 3
+HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
+FIX = r"zopt\.clip_grad_norm_\(max_norm\)"
+
+
+def _rows(s, world):
+    idx, tgt = batch(s, world)
+    r = dist.get_rank()
+    return idx[2 * r:2 * r + 2], tgt[2 * r:2 * r + 2]
+
+
+def _ddp_reference(world):
+    """DDP + torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW: parameters after each step, norms."""
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **HP)
+    params, norms = [], []
+    for s in range(STEPS):
+        loss_fn(ddp, *_rows(s, world)).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+        params.append({k: v.clone() for k, v in model.state_dict().items()})
+    assert min(norms) > 2 * MAX_NORM, norms          # clipping changed every step
+    return params, norms
+
+
+def _snapshot(model, zopt):
+    grads = {n: None if local_grad(p) is None else local_grad(p).clone() for n, p in model.named_parameters()}
+    slices = [None if b.reduce.grad_slice is None else b.reduce.grad_slice.clone() for b in zopt.buckets]
+    return ({n: p.detach().clone() for n, p in model.named_parameters()}, grads, slices,
+            [t.clone() for b in zopt.buckets for t in b.state_tensors().values()], list(zopt.steps))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
+
+
+def _params_diff(zopt, ref) -> float:
+    full = zopt.full_model_state_dict()             # collective; stage 3 holds shards only
+    assert full.keys() == ref.keys()
+    return max((full[k] - ref[k]).abs().max().item() for k in ref)
+
+
+def _torch_clip_outcome(model, zopt, ref_params, ref_norm, clip) -> str:
+    """What a user's ``clip(model.parameters())`` + ``zopt.step()`` does: "loud" (raised the error
+    naming the fix, nothing modified), "correct" (norm and parameters of DDP + torch clip) or
+    "silent" (neither: the failure this item is about)."""
+    zopt._reduce_all()                  # stages 2-3: finish the reduce-scatters, so slices are comparable
+    before = _snapshot(model, zopt)
+    try:
+        norm = clip(model.parameters())
+    except ShardedGradError as e:
+        assert "zopt.clip_grad_norm_(max_norm)" in str(e) and "on a ZeRO-" in str(e), str(e)
+        assert _same(before, _snapshot(model, zopt)), "modified before raising"
+        return "loud"
+    zopt.step()
+    ok = norm is not None and abs(float(norm) - ref_norm) <= 1e-5 * ref_norm
+    ok = ok and _params_diff(zopt, ref_params) < 1e-5
+    return "correct" if ok else "silent"
+
+
+def _zopt(stage, model, **kw):
+    return zk.ZeroAdamW(model, stage=stage, bucket_size=64, backend="reference", **HP, **kw)
+
+
+def _case_torch_clip(rank, world, stage, negative_control):
+    ref_params, ref_norms = _ddp_reference(world)
+    model = make_model()
+    zopt = _zopt(stage, model)
+    clips = [lambda ps: torch.nn.utils.clip_grad_norm_(ps, MAX_NORM),
+             lambda ps: torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, foreach=True),
+             lambda ps: torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, norm_type=float("inf")),
+             lambda ps: torch.nn.utils.clip_grad_value_(ps, 1e-3)]
+    for s in range(STEPS):
+        loss_fn(model, *_rows(s, world)).backward()
+        if negative_control:            # what p.grad held before the fix: local grads (1), nothing (2-3)
+            for p in model.parameters():
+                p.grad = local_grad(p)
+            assert _torch_clip_outcome(model, zopt, ref_params[s], ref_norms[s], clips[0]) == "silent"
+            return
+        grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+        assert grads and all(isinstance(g, ShardedGrad) for g in grads)   # `p.grad is None` checks see a gradient
+        for clip in clips:
+            assert _torch_clip_outcome(model, zopt, ref_params[s], ref_norms[s], clip) == "loud"
+        norm = zopt.clip_grad_norm_(MAX_NORM)          # the fix the error names
+        assert float(norm) == pytest.approx(ref_norms[s], rel=1e-5)
+        zopt.step()
+        assert _params_diff(zopt, ref_params[s]) < 1e-5
+        if stage > 1:                   # the step consumed the gradients
+            assert all(p.grad is None for p in model.parameters())
+        zopt.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_torch_clip_raises_and_zopt_clip_matches_ddp(stage):
+    run_world(_case_torch_clip, 2, stage, False)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_negative_control_pre_fix_grads_are_silently_wrong(stage):
+    run_world(_case_torch_clip, 2, stage, True)
