@@ -139,3 +139,103 @@ def test_torch_clip_raises_and_zopt_clip_matches_ddp(stage):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_negative_control_pre_fix_grads_are_silently_wrong(stage):
     run_world(_case_torch_clip, 2, stage, True)
+
+
+# ---- the wrappers users call: accelerate, Lightning, Hugging Face; zero_grad; GradScaler --------------
+def _train_through(stage, world, ref_params, ref_norms, clip_fn, model=None, zopt=None):
+    """STEPS steps where ``clip_fn(model, zopt)`` clips; the parameters must be DDP's after each."""
+    model = model if model is not None else make_model()
+    zopt = zopt if zopt is not None else _zopt(stage, model)
+    for s in range(STEPS):
+        loss_fn(model, *_rows(s, world)).backward()
+        norm = clip_fn(model, zopt)
+        if norm is not None:
+            assert float(norm) == pytest.approx(ref_norms[s], rel=1e-5)
+        zopt.step()
+        assert _params_diff(zopt, ref_params[s]) < 1e-5
+        model.zero_grad()                   # what Hugging Face's Trainer calls after the step
+        zopt.zero_grad()
+
+
+def _case_wrappers(rank, world, stage, tmp):
+    import transformers
+    from accelerate import Accelerator
+    from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+    from zero_kernels.integrations.hf import ZeroTrainer
+    from zero_kernels.integrations.lightning import ZeroPrecision
+    ref_params, ref_norms = _ddp_reference(world)
+    model = make_model()
+    zopt = _zopt(stage, model)
+    loss_fn(model, *_rows(0, world)).backward()
+    # accelerate (and the plain Trainer, through it): torch's clip underneath, so the same clear error
+    acc = Accelerator(cpu=True)
+    assert _torch_clip_outcome(model, zopt, ref_params[0], ref_norms[0],
+                               lambda ps: acc.clip_grad_norm_(ps, MAX_NORM)) == "loud"
+    args = transformers.TrainingArguments(output_dir=os.path.join(tmp, str(rank)), max_grad_norm=MAX_NORM,
+                                          report_to=[], use_cpu=True)
+    plain = transformers.Trainer(model=model, args=args, optimizers=(zopt, None))
+    with pytest.raises(ShardedGradError, match=FIX):
+        plain._clip_grad_norm(model)        # the plain Trainer's clipping step, what its loop calls
+    # model.zero_grad(set_to_none=False) between backward and step: exact at stage 1, loud at 2-3
+    if stage == 1:
+        model.zero_grad(set_to_none=False)
+        assert all(local_grad(p) is None or not local_grad(p).any() for p in model.parameters())
+    else:
+        with pytest.raises(ShardedGradError, match=r"zopt\.zero_grad\(\)"):
+            model.zero_grad(set_to_none=False)
+    zopt.zero_grad()
+    # Lightning: gradient_clip_val goes to ZeroPrecision, which clips with zopt.clip_grad_norm_
+    prec = ZeroPrecision()
+    _train_through(stage, world, ref_params, ref_norms,
+                   lambda m, o: prec.clip_gradients(o, MAX_NORM, GradClipAlgorithmType.NORM))
+    with pytest.raises(ValueError, match=r"zopt\.clip_grad_norm_\(max_norm\)"):
+        prec.clip_gradients(zopt, MAX_NORM, GradClipAlgorithmType.VALUE)
+    # Hugging Face: ZeroTrainer's clipping step (max_grad_norm) is zopt.clip_grad_norm_
+    model = make_model()
+    zopt = _zopt(stage, model)
+    zt = ZeroTrainer(model=model, args=args, optimizers=(zopt, None), zero_stage=stage)
+    _train_through(stage, world, ref_params, ref_norms, lambda m, o: zt._clip_grad_norm(m), model, zopt)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_wrappers_route_or_raise(stage, tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("lightning")
+    run_world(_case_wrappers, 2, stage, str(tmp_path), timeout=400)
+
+
+def _case_gradscaler(rank, world, stage):
+    """torch.amp.GradScaler over the placeholders. Stage 1: the AMP recipe ``unscale_`` then clip
+    works with zopt.clip_grad_norm_ (unscaling the local gradients is exact) and raises with torch's
+    clip; stage 2: ``unscale_`` has nothing to unscale here and the step refuses it, changing nothing
+    (clipping without it: tests/test_zero_safety.py)."""
+    ref_params, ref_norms = _ddp_reference(world)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    model = make_model()
+    zopt = _zopt(stage, model, loss_scale=scaler)
+    for s in range(STEPS):
+        scaler.scale(loss_fn(model, *_rows(s, world))).backward()
+        if stage == 1:
+            scaler.unscale_(zopt)
+            assert _torch_clip_outcome(model, zopt, ref_params[s], ref_norms[s],
+                                       lambda ps: torch.nn.utils.clip_grad_norm_(ps, MAX_NORM)) == "loud"
+        elif s == 0:
+            scaler.unscale_(zopt)
+            zopt._reduce_all()              # the slices are final (no reduce-scatter in flight)
+            before = _snapshot(model, zopt)
+            with pytest.raises(RuntimeError, match="do not call unscale_"):
+                scaler.step(zopt)
+            assert _same(before, _snapshot(model, zopt))
+            return
+        norm = zopt.clip_grad_norm_(MAX_NORM)
+        assert float(norm) == pytest.approx(ref_norms[s], rel=1e-5)
+        scaler.step(zopt)
+        scaler.update()
+        assert _params_diff(zopt, ref_params[s]) < 1e-5
+        zopt.zero_grad()
+    assert float(scaler.get_scale()) == 2.0 ** 10
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gradscaler_over_placeholders(stage):
+    run_world(_case_gradscaler, 2, stage)

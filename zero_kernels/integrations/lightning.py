@@ -51,7 +51,8 @@ class ZeroPrecision(Precision):
 
     def clip_grad_by_value(self, optimizer, clip_val) -> None:
         raise ValueError("gradient_clip_algorithm='value' is not supported by the zk strategies (gradients are "
-                         "sharded): use gradient_clip_algorithm='norm'")
+                         "sharded across ranks; torch's clip_grad_value_ on p.grad raises ShardedGradError): use "
+                         "gradient_clip_algorithm='norm', which calls zopt.clip_grad_norm_(max_norm)")
 
 
 def _zero_optimizer(optimizer):

@@ -58,6 +58,10 @@ def _in_backward() -> bool:
 
 
 def _message(g: "ShardedGrad", op: str) -> str:
+    if op == "zero_":               # model.zero_grad(set_to_none=False) between backward and step
+        return (f"p.grad.zero_() of parameter {g.param_name!r} on a ZeRO-{g.stage} model between backward and "
+                f"step() cannot drop its gradient: it was already reduced into ZeroAdamW's sharded slices. "
+                f"Call zopt.zero_grad() (or model.zero_grad(), which sets p.grad to None, followed by it).")
     where = ("holds this rank's local, not yet averaged gradient until step() reduce-scatters it, so a norm "
              "or clamp computed from it differs on every rank and from DDP's") if g.stage == 1 else \
             ("holds no data: the averaged gradient is sharded across the ranks inside ZeroAdamW (each rank "
@@ -68,7 +72,7 @@ def _message(g: "ShardedGrad", op: str) -> str:
             f"rank's slices, tied parameters once; it returns the total norm as torch does, and "
             f"zopt.clip_grad_norm_(float('inf')) only measures it); clip_grad_value_ has no ZeRO "
             f"equivalent. The Lightning zk strategies (gradient_clip_val) and ZeroTrainer (max_grad_norm) "
-            f"already clip this way." + (" To drop the gradients call zopt.zero_grad()." if op == "zero_" else ""))
+            f"already clip this way.")
 
 
 class ShardedGrad(Tensor):
@@ -96,7 +100,7 @@ class ShardedGrad(Tensor):
         if out is not NotImplemented:
             return out
         guards = [a for a in _flat(args) if isinstance(a, ShardedGrad)]
-        raise ShardedGradError(_message(guards[0], func.__name__))
+        raise ShardedGradError(_message(guards[0], func.overloadpacket.__name__))
 
 
 def _flat(args) -> list[Any]:

@@ -137,7 +137,7 @@ class StepScaling:
         if self.loss_scaler is not None:
             return self.loss_scaler.scale
         gs = self.grad_scaler
-        if gs is not None and gs.is_enabled():
+        if gs is not None and gs.is_enabled() and not _unscaled(gs, self.owner_id):
             return float(gs.get_scale())
         return None
 
@@ -179,6 +179,12 @@ class StepScaling:
                               f"rank, masters and moments unchanged ({self.skipped_steps} skipped so far)",
                               RuntimeWarning, stacklevel=4)
         return found, inv
+
+
+def _unscaled(scaler, owner_id: int) -> bool:
+    """``scaler.unscale_(zopt)`` already divided this step's (stage-1 local) gradients by the scale."""
+    st = scaler._per_optimizer_states.get(owner_id)
+    return st is not None and st["stage"] is torch.amp.grad_scaler.OptState.UNSCALED
 
 
 def _record_found_inf(scaler, owner_id: int, flag: Tensor) -> None:
