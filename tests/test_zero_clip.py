@@ -111,7 +111,15 @@ def _case_torch_clip(rank, world, stage, negative_control):
              lambda ps: torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, norm_type=float("inf")),
              lambda ps: torch.nn.utils.clip_grad_value_(ps, 1e-3)]
     for s in range(STEPS):
-        loss_fn(model, *_rows(s, world)).backward()
+        idx, tgt = _rows(s, world)
+        if s == 0:
+            loss_fn(model, idx, tgt).backward()
+        else:                           # two micro-batches: autograd accumulates over the placeholders
+            with zopt.no_sync():
+                (loss_fn(model, idx[:1], tgt[:1]) / 2).backward()
+            with pytest.raises(ShardedGradError, match=FIX):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            (loss_fn(model, idx[1:], tgt[1:]) / 2).backward()
         if negative_control:            # what p.grad held before the fix: local grads (1), nothing (2-3)
             for p in model.parameters():
                 p.grad = local_grad(p)

@@ -163,23 +163,31 @@ def take_grad(p: Tensor) -> Tensor | None:
     """Stages 2-3 hook: the gradient autograd just delivered, removed from p.grad."""
     g = p.grad
     if isinstance(g, ShardedGrad):
-        g, g.local = g.local, None
+        ph, g = g, g.local
+        ph.local = None
     p.grad = None
     return g
 
 
 class Stage1GradGuard:
-    """Stage 1: wraps each local gradient in a ShardedGrad once autograd has delivered it."""
+    """Stage 1: wraps each local gradient in a ShardedGrad once autograd has delivered it (one
+    wrapper per parameter, re-pointed every step: creating one costs ~10 us)."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]]):
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(n)) for n, p in named]
 
     @staticmethod
     def _hook(name: str):
+        wrapper: list[ShardedGrad] = []
+
         def hook(p: nn.Parameter) -> None:
             g = p.grad
-            if g is not None and not isinstance(g, ShardedGrad):
-                p.grad = ShardedGrad(p, name, 1, local=g)
+            if g is None or isinstance(g, ShardedGrad):
+                return
+            if not wrapper:
+                wrapper.append(ShardedGrad(p, name, 1))
+            wrapper[0].local = g
+            p.grad = wrapper[0]
         return hook
 
     def remove(self) -> None:
