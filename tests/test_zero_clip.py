@@ -247,3 +247,24 @@ def _case_gradscaler(rank, world, stage):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_gradscaler_over_placeholders(stage):
     run_world(_case_gradscaler, 2, stage)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_placeholder_keeps_no_gradient_alive_and_prints(stage):
+    """One process (no group): after model.zero_grad() no gradient storage is kept by a placeholder
+    (a wrapper kept per parameter would pin the stage-1 local gradient); repr names the fix."""
+    import gc
+    import weakref
+    model = make_model()
+    _zopt(stage, model)
+    idx, tgt = batch(0, 1)
+    loss_fn(model, idx[:2], tgt[:2]).backward()
+    g = model.blocks[0].fc1.weight.grad
+    assert isinstance(g, ShardedGrad) and "zopt.clip_grad_norm_(max_norm)" in repr(g)
+    assert (g.local is not None) == (stage == 1)
+    refs = [weakref.ref(local_grad(p)) for p in model.parameters() if local_grad(p) is not None]
+    assert len(refs) == (len([p for p in model.parameters() if p.grad is not None]) if stage == 1 else 0)
+    del g
+    model.zero_grad()
+    gc.collect()
+    assert all(r() is None for r in refs)
