@@ -368,3 +368,48 @@ def test_collectives_bounded_by_timeout():
     """A rank whose peer never reaches get_state_dict fails with CollectiveTimeoutError after the
     optimizer's timeout instead of hanging."""
     run_world(_peer_never_comes, 2, timeout=120)
+
+
+def test_bf16_amsgrad_tied_round_trip(tmp_path):
+    """One process, no process group (plain tensors): 16-bit working parameters, amsgrad's
+    max_exp_avg_sq, tied/frozen/unused parameters (test_zero.TinyLM) and stage 3 units. DCP save ->
+    load into a perturbed copy restores everything bitwise, and both continue bitwise alike."""
+    from test_zero import batch as lm_batch, loss_fn, make_model as make_lm
+    for stage in (2, 3):
+        runs = []
+        for seed in (0, 7):
+            model = make_lm(seed=seed)
+            zopt = zk.ZeroAdamW(model, stage=stage, bucket_size=300, backend="reference", amsgrad=True,
+                                param_dtype=torch.bfloat16, lr=1e-2)
+            runs.append((model, zopt))
+        (m0, z0), (m1, z1) = runs
+        for s in range(K):
+            loss_fn(m0, *lm_batch(s, 1)).backward()
+            z0.step()
+            z0.zero_grad()
+        msd, osd = zk_dcp.get_state_dict(z0)
+        assert msd["head.weight"] is msd["emb.weight"] and "head.weight" not in osd["state"]
+        assert set(osd["state"]["unused"]) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+        assert float(osd["state"]["unused"]["step"]) == 0 and float(osd["state"]["gate"]["step"]) == K
+        path = str(tmp_path / f"lm{stage}")
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        assert not torch.equal(z1.full_model_state_dict()["emb.weight"], z0.full_model_state_dict()["emb.weight"])
+        msd, osd = zk_dcp.get_state_dict(z1)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=path)
+        zk_dcp.set_state_dict(z1, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        for b0, b1 in zip(z0.buckets, z1.buckets):
+            for k, t in b0.state_tensors().items():
+                assert torch.equal(t, b1.state_tensors()[k]), (stage, k)
+            assert torch.equal(b0.owned_params, b1.owned_params)
+        assert z0.steps == z1.steps
+        for s in range(K, 2 * K):
+            for m, z in runs:
+                loss_fn(m, *lm_batch(s, 1)).backward()
+                z.step()
+                z.zero_grad()
+        f0, f1 = z0.full_model_state_dict(), z1.full_model_state_dict()
+        assert all(torch.equal(f0[k], f1[k]) for k in f0), stage
+        with z0.gathered(), z1.gathered():
+            for (n, p), q in zip(m0.named_parameters(), m1.parameters()):
+                assert p.dtype == torch.bfloat16 and torch.equal(p, q), (stage, n)
