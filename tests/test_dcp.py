@@ -29,9 +29,12 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _dist import run_world  # noqa: E402
+from test_zero import batch as lm_batch, loss_fn, make_model as make_lm  # noqa: E402
 
 import zero_kernels as zk  # noqa: E402
 import zero_kernels.dcp as zk_dcp  # noqa: E402
+from zero_kernels.zero.relayout import chunk_range, chunk_shape  # noqa: E402
+from zero_kernels.zero.timeouts import CollectiveTimeoutError  # noqa: E402
 
 V, D, H, T, B = 37, 10, 13, 4, 3
 K = 3                                  # steps before the save, and after it
@@ -337,7 +340,6 @@ def test_plain_file_and_mismatches(saved, tmp_path):
 def test_chunk_ranges_are_torch_chunk():
     """[Note: dim-0 chunks] against torch.chunk (FSDP2's Shard(0)) for odd shapes and world sizes,
     including more ranks than rows and 0-dim / empty parameters."""
-    from zero_kernels.zero.relayout import chunk_range, chunk_shape
     for shape in [(1,), (2,), (7,), (13, 10), (5, 2, 10), (3, 1, 1), (0, 4), ()]:
         x = torch.arange(int(torch.tensor(shape).prod()) if shape else 1).reshape(shape)
         for world in (1, 2, 3, 4, 5, 8):
@@ -354,7 +356,6 @@ def test_chunk_ranges_are_torch_chunk():
 
 
 def _peer_never_comes(rank, world):
-    from zero_kernels.zero.timeouts import CollectiveTimeoutError
     model = make_model()
     zopt = zk.ZeroAdamW(model, stage=2, bucket_size=100, backend="reference", timeout=3.0)
     if rank == 1:
@@ -374,7 +375,6 @@ def test_bf16_amsgrad_tied_round_trip(tmp_path):
     """One process, no process group (plain tensors): 16-bit working parameters, amsgrad's
     max_exp_avg_sq, tied/frozen/unused parameters (test_zero.TinyLM) and stage 3 units. DCP save ->
     load into a perturbed copy restores everything bitwise, and both continue bitwise alike."""
-    from test_zero import batch as lm_batch, loss_fn, make_model as make_lm
     for stage in (2, 3):
         runs = []
         for seed in (0, 7):

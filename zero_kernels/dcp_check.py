@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple, Sequence
 
-import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
