@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -258,6 +258,26 @@ def test_dcp_to_torch_save(saved, tmp_path):
     g = sd["optim"]["param_groups"]
     assert [x["lr"] for x in g] == [LR, 2 * LR] and all(x["decoupled_weight_decay"] for x in g)
     assert sorted(g[0]["params"]) == sorted(["emb.weight", "mix", "fc1.weight", "fc2.weight"])
+
+
+def test_fsdp2_reference_is_single_process_adamw(saved, tmp_path):
+    """The reference of (a) (FSDP2 continuing on its 2 ranks, which ZeRO-3 on 3 ranks matches) is
+    itself what one process with torch.optim.AdamW gives when continuing from the same state (the
+    FSDP2 checkpoint turned into a plain file by dcp_to_torch_save)."""
+    out = str(tmp_path / "fsdp2.pt")
+    dcp_to_torch_save(os.path.join(saved, "fsdp2"), out)
+    sd = torch.load(out, weights_only=False)
+    ref = load_ref(saved, "fsdp2")
+    model = _perturbed()
+    opt = torch.optim.AdamW(groups(model, lr=1234.0), betas=(0.9, 0.95))
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                   options=StateDictOptions(full_state_dict=True))
+    assert [g["lr"] for g in opt.param_groups] == [LR, 2 * LR]
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), ref["at_save"]["model"][n]), n
+    train(model, opt, K, K)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), ref["final"][n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
 # ---- plain full tensors and mismatches (one process, no process group) ----------------------------
