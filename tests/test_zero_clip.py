@@ -13,7 +13,6 @@ Trainer's clipping hooks (the end-to-end runs are tests/test_lightning.py and te
 """
 from __future__ import annotations
 
-import copy
 import os
 import sys
 

@@ -16,7 +16,8 @@ What the plain Trainer would get wrong with a ZeRO optimizer, and what the subcl
 - The optimizer is the Trainer's own choice (``create_optimizer``: AdamW with its decay / no-decay
   groups from ``TrainingArguments``) translated into ZeroAdamW with the same groups and hyper-parameters.
 - ``max_grad_norm`` clips with ``ZeroAdamW.clip_grad_norm_`` (the global norm over every shard): the
-  Trainer's ``clip_grad_norm_(model.parameters())`` sees no gradients at stages 2-3 and would clip nothing.
+  Trainer's own ``accelerator.clip_grad_norm_(model.parameters())`` would raise ShardedGradError
+  ([Note: gradient placeholders] in zero/grad_guard.py: p.grad holds no averaged gradient).
 - ``save_model`` / ``save_pretrained`` write the gathered full weights (at stage 3 the module's own
   ``state_dict()`` holds freed parameters); intermediate checkpoints add ZeroAdamW's resharding
   checkpoint (``zero_optimizer/``) and ``resume_from_checkpoint`` restores parameters and states from it.

@@ -19,7 +19,7 @@ As Lightning's ``deepspeed_stage_2`` and ``fsdp`` strategies do, the strategy ow
   amsgrad, maximize) and its LR schedulers are re-pointed at the ZeroAdamW, keeping their state.
 - Gradient clipping (``gradient_clip_val``) goes through ``ZeroAdamW.clip_grad_norm_`` (the global
   norm over every shard) via :class:`ZeroPrecision`; torch's ``clip_grad_norm_`` on the module's
-  parameters would see no gradients at stage 2-3.
+  parameters raises ShardedGradError ([Note: gradient placeholders] in zero/grad_guard.py).
 - Checkpoints go through ZeroAdamW's own resharding checkpoints: ``trainer.save_checkpoint(path)``
   writes a checkpoint directory at ``path`` (one shard per rank) plus ``lightning_state.pt`` (the
   trainer's own state: loops, callbacks, schedulers); ``ckpt_path=`` restores both, at any world size.

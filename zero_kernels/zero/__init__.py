@@ -10,6 +10,7 @@ One concept per file (after FSDP2's ``_fully_shard/``); the ``[Note: ...]`` bloc
     flat.py         flatten / unflatten dispatch: Triton or torch ([Note: views vs copies])
     reduce.py       the stage-1 reducer ([Note: stage-1 reduction])
     hooks.py        the stage-2/3 reducer: gradient hooks ([Note: stage-2 gradient flow])
+    grad_guard.py   what p.grad holds: ShardedGrad, torch's clip raises ([Note: gradient placeholders])
     gather.py       stages 1-2 parameter all-gather ([Note: overlapped parameter all-gather])
     step.py         per-bucket fused step and global norm ([Note: the ZeRO step])
     scaling.py      loss scaling, GradScaler, non-finite skips ([Note: non-finite gradients])
@@ -30,6 +31,7 @@ One concept per file (after FSDP2's ``_fully_shard/``); the ``[Note: ...]`` bloc
 """
 from ..layout import Layout, build_layout
 from .config import ZeroConfig
+from .grad_guard import ShardedGrad, ShardedGradError
 from .optimizer import ZeroAdam, ZeroAdamW
 
-__all__ = ["ZeroAdamW", "ZeroAdam", "ZeroConfig", "Layout", "build_layout"]
+__all__ = ["ZeroAdamW", "ZeroAdam", "ZeroConfig", "Layout", "build_layout", "ShardedGrad", "ShardedGradError"]

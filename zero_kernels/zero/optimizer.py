@@ -126,7 +126,9 @@ class ZeroAdamW(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the global gradient norm (all ranks' slices, tied parameters once, no padding) like
         ``torch.nn.utils.clip_grad_norm_`` on the full model; returns the total norm (fp32). The clip
-        coefficient is folded into the next step's grad_scale (no pass over the gradients)."""
+        coefficient is folded into the next step's grad_scale (no pass over the gradients). torch's own
+        ``clip_grad_norm_(model.parameters(), ...)`` raises ShardedGradError naming this method
+        ([Note: gradient placeholders] in grad_guard.py)."""
         self._reduce_all()
         total = global_norm(self.buckets, self.rank, float(norm_type), self.process_group, self._device)
         ls = self.scaling.current_scale()
