@@ -26,7 +26,9 @@ every rank takes the same decision. A skipped step changes nothing: masters, exp
   without having been given to the constructor is refused with an error (its ranks' scales
   would diverge); nothing searches the call stack for it. Clipping under GradScaler: call
   ``zopt.clip_grad_norm_`` *without* ``scaler.unscale_`` (stages 2-3 have no ``p.grad`` to
-  unscale); clipping knows the scale from the scaler given to the constructor.
+  unscale); clipping knows the scale from the scaler given to the constructor. Stage 1 may call
+  ``scaler.unscale_(zopt)`` first (the AMP recipe): it unscales the local gradients and clipping
+  then sees that GradScaler recorded them as unscaled.
 
 With a loss scale the gradient multiplier handed to the fused kernel is ``clip_coef / scale``
 (the reduced slices are already averages over the group), so unscaling costs no extra pass.

@@ -54,6 +54,7 @@ __all__ = ["Stage3", "Stage3Reducer"]
 # ---- the reducer: stage 2's, plus "free a bucket once all its gradients arrived" ---------------------
 class Stage3Reducer(Stage2Reducer):
     stage = 3
+
     def __init__(self, *args, on_backward_start: Callable[[], None], free_bucket: Callable[[UnitBucket], None],
                  **kwargs):
         super().__init__(*args, **kwargs)
