@@ -120,38 +120,33 @@ def _adam_block(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, offs, mas
 
 
 @triton.jit
-def _adam_chunk(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, start, numel, aligned,
-                coeffs, row, grad_scale_ptr, one_minus_beta1, beta2, one_minus_beta2,
-                eps, weight_decay, HAS_GRAD_SCALE: tl.constexpr, ADAMW: tl.constexpr,
-                AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, P16_KIND: tl.constexpr,
-                BLOCK_SIZE: tl.constexpr, N_ITERS: tl.constexpr):
-    """One program's chunk of one tensor (row ``row`` of coeffs): N_ITERS blocks from ``start``;
-    full blocks unmasked (with 16-byte hints when ``aligned``), the tensor's last block masked."""
+def _scalars(coeffs, row, grad_scale_ptr, HAS_GRAD_SCALE: tl.constexpr):
+    """(step_size, bc2_sqrt, decay, grad_scale) of the tensor at row ``row`` of coeffs."""
     step_size = tl.load(coeffs + row * 3 + 0)
     bc2_sqrt = tl.load(coeffs + row * 3 + 1)
     decay = tl.load(coeffs + row * 3 + 2)
     grad_scale = tl.load(grad_scale_ptr) if HAS_GRAD_SCALE else 1.0
-    for i in range(N_ITERS):
-        block_start, offs = block_offsets(start, i, BLOCK_SIZE)
-        if block_start + BLOCK_SIZE <= numel:
-            if aligned:
-                _adam_block(tl.multiple_of(master_ptr, 16), tl.multiple_of(grad_ptr, 16),
-                            tl.multiple_of(m_ptr, 16), tl.multiple_of(v_ptr, 16),
-                            tl.multiple_of(vmax_ptr, 16), tl.multiple_of(p16_ptr, 16), offs, None,
-                            step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2,
-                            one_minus_beta2, eps, weight_decay,
-                            False, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND)
-            else:
-                _adam_block(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, offs, None,
-                            step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2,
-                            one_minus_beta2, eps, weight_decay,
-                            False, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND)
-        elif block_start < numel:
-            _adam_block(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, offs, offs < numel,
-                        step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2,
-                        one_minus_beta2, eps, weight_decay,
-                        True, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND)
+    return step_size, bc2_sqrt, decay, grad_scale
 
+
+@triton.jit
+def _adam_unhinted(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, block_start, offs, numel,
+                   step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2, one_minus_beta2,
+                   eps, weight_decay, HAS_GRAD_SCALE: tl.constexpr, ADAMW: tl.constexpr,
+                   AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, P16_KIND: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr):
+    """One block with the pointers as they are: unmasked when it lies inside the tensor, masked
+    on the tensor's last block, nothing past it."""
+    if block_start + BLOCK_SIZE <= numel:
+        _adam_block(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, offs, None,
+                    step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2,
+                    one_minus_beta2, eps, weight_decay,
+                    False, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND)
+    elif block_start < numel:
+        _adam_block(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, offs, offs < numel,
+                    step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2,
+                    one_minus_beta2, eps, weight_decay,
+                    True, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND)
 
 
 @triton.jit
@@ -197,9 +192,21 @@ def fused_adam_kernel(
         p16_ptr = a_p16.to(tl.pointer_type(tl.uint16))
     else:
         p16_ptr = a_p16.to(tl.pointer_type(tl.float16))
-    _adam_chunk(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, start, numel, aligned,
-                coeffs, t, grad_scale_ptr, one_minus_beta1, beta2, one_minus_beta2,
-                eps, weight_decay, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND, BLOCK_SIZE, N_ITERS)
+    step_size, bc2_sqrt, decay, grad_scale = _scalars(coeffs, t, grad_scale_ptr, HAS_GRAD_SCALE)
+    for i in range(N_ITERS):
+        block_start, offs = block_offsets(start, i, BLOCK_SIZE)
+        if aligned and block_start + BLOCK_SIZE <= numel:
+            _adam_block(tl.multiple_of(master_ptr, 16), tl.multiple_of(grad_ptr, 16),
+                        tl.multiple_of(m_ptr, 16), tl.multiple_of(v_ptr, 16),
+                        tl.multiple_of(vmax_ptr, 16), tl.multiple_of(p16_ptr, 16), offs, None,
+                        step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2,
+                        one_minus_beta2, eps, weight_decay,
+                        False, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND)
+        else:
+            _adam_unhinted(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, block_start, offs, numel,
+                           step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2, one_minus_beta2,
+                           eps, weight_decay, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND, BLOCK_SIZE)
+
 
 
 @triton.jit
@@ -236,9 +243,13 @@ def fused_adam_tensor_kernel(
         p16 = p16_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
     else:
         p16 = p16_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
-    _adam_chunk(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16, start, numel, False,
-                coeffs, row, grad_scale_ptr, one_minus_beta1, beta2, one_minus_beta2,
-                eps, weight_decay, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND, BLOCK_SIZE, N_ITERS)
+    step_size, bc2_sqrt, decay, grad_scale = _scalars(coeffs, row, grad_scale_ptr, HAS_GRAD_SCALE)
+    for i in range(N_ITERS):
+        block_start, offs = block_offsets(start, i, BLOCK_SIZE)
+        _adam_unhinted(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16, block_start, offs, numel,
+                       step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2, one_minus_beta2,
+                       eps, weight_decay, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND, BLOCK_SIZE)
+
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _P16_KIND = {None: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -375,9 +386,9 @@ def fused_adam_per_tensor(
 # (kernel, signature, constexprs, description, options). Every dtype combination fused_adam_triton
 # launches with; alignment is a run-time branch per tensor, so each variant has both paths.
 def _codegen_cases() -> list:
-    sig = dict(ptr_table="*i64", numels="*i64", coeffs="*fp32", chunk_tensor="*i32", chunk_start="*i64",
-               grad_scale_ptr="*fp32", found_inf_ptr="*fp32", one_minus_beta1="fp32", beta2="fp32",
-               one_minus_beta2="fp32", eps="fp32", weight_decay="fp32")
+    table_sig = dict(ptr_table="*i64", numels="*i64", chunk_tensor="*i32", chunk_start="*i64")
+    scalars = dict(coeffs="*fp32", grad_scale_ptr="*fp32", found_inf_ptr="*fp32", one_minus_beta1="fp32",
+                   beta2="fp32", one_minus_beta2="fp32", eps="fp32", weight_decay="fp32")
     per_thread = BLOCK // (32 * LAUNCH_OPTIONS["num_warps"])   # elements per thread per block
     words = lambda nbytes: per_thread * nbytes // 16           # noqa: E731 - 128-bit accesses per array
     names = {tl.float32: "fp32", tl.bfloat16: "bf16", tl.float16: "fp16"}
@@ -385,7 +396,7 @@ def _codegen_cases() -> list:
     for grad, p16 in ((tl.float32, 0), (tl.bfloat16, 1), (tl.float16, 2), (tl.float32, 1)):
         for ams in (False, True):
             for adamw in (True, False):
-                ce = dict(GRAD_DTYPE=grad, P16_KIND=p16, HAS_GRAD_SCALE=True, HAS_FOUND_INF=True,
+                ce = dict(P16_KIND=p16, HAS_GRAD_SCALE=True, HAS_FOUND_INF=True,
                           ADAMW=adamw, AMSGRAD=ams, MAXIMIZE=True, BLOCK_SIZE=BLOCK, N_ITERS=ITERS)
                 g_bytes = 4 if grad == tl.float32 else 2
                 desc = (f"grad={names[grad]} p16={['none', 'bf16', 'fp16'][p16]}"
@@ -394,7 +405,12 @@ def _codegen_cases() -> list:
                 opts = dict(LAUNCH_OPTIONS, streaming=True,
                             min_wide_loads=(3 + ams) * words(4) + words(g_bytes),
                             min_wide_stores=(3 + ams) * words(4))
-                cases.append((fused_adam_kernel, sig, ce, desc, opts))
+                cases.append((fused_adam_kernel, dict(table_sig, **scalars), dict(ce, GRAD_DTYPE=grad), desc, opts))
+                if adamw:   # the per-tensor kernel of the traced op: its tensors' dtypes are its signature
+                    tensors = dict(master_ptr="*fp32", grad_ptr=f"*{names[grad]}", m_ptr="*fp32", v_ptr="*fp32",
+                                   vmax_ptr="*fp32", p16_ptr=f"*{['fp32', 'bf16', 'fp16'][p16]}")
+                    cases.append((fused_adam_tensor_kernel, dict(tensors, row="i32", numel="i32", **scalars),
+                                  ce, f"per-tensor {desc}", opts))
     return cases
 
 

@@ -52,6 +52,7 @@ class TracedStep:
                                        "is fine). Nothing was updated.")
             self._traced_work = self._prepare()
         _, group_grads, plan = self._traced_work[gi]
+        self._traced_work[gi] = None   # holds the gradients of this compile: do not keep them alive
         if plan.writebacks or plan.dtensor:
             raise RuntimeError(f"{where}[{gi}] has non-contiguous or DTensor parameters, which the traced "
                                "step does not support; make them contiguous, or call step() outside the "
@@ -85,6 +86,9 @@ class TracedStep:
 
 def _advance(steps: list[Tensor], found_inf: Tensor | None) -> Tensor:
     """The launch's step counters advanced in place (by 1 - found_inf), as one 1-D tensor."""
-    inc = 1.0 if found_inf is None else 1.0 - found_inf.to(steps[0].device, torch.float32).reshape(())
-    torch._foreach_add_(steps, inc)
+    if found_inf is None:
+        torch._foreach_add_(steps, 1.0)
+    else:   # a list of 0-d tensors: a 0-d CPU tensor alone would be read back as a Python scalar
+        inc = 1.0 - found_inf.to(steps[0].device, torch.float32).reshape(())
+        torch._foreach_add_(steps, [inc] * len(steps))
     return torch.stack(steps)

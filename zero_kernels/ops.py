@@ -37,6 +37,10 @@ block body is the eager kernel's, so the bits are the same (tests/test_compile.p
 (``torch/_library/triton.py``) and cannot be traced, and Inductor cannot generate code for a user
 Triton kernel on CPU: the same body is then registered as an opaque ``custom_op`` (traced as one
 call, run eagerly by the ``aot_eager`` backend, which is what the CPU tests compile with).
+The price of visibility on a GPU: the compiled step launches one kernel per tensor where the
+eager step launches one per group. Each launch still streams 28 B/element with 128-bit accesses
+(the "per-tensor" CODEGEN_CASES in kernels/adam.py), but thousands of small parameters pay a
+launch each; CUDA graphs (``mode="reduce-overhead"``) absorb that. Not measured (no GPU here).
 
 The eager optimizer keeps calling the kernels directly (no dispatcher on the hot path,
 bench/bench_host_overhead.py); the operators are what the traced step calls
