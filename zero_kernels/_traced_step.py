@@ -78,8 +78,8 @@ class TracedStep:
             lo = lo16 = 0
             for n, backend, writes16 in launches:
                 hi, hi16 = lo + n, lo16 + (n if writes16 else 0)
-                self._launch(group, ops.traceable(backend), _advance(steps[lo:hi], found_inf), masters[lo:hi], grads[lo:hi],
-                             exp_avgs[lo:hi], exp_avg_sqs[lo:hi], max_sqs[lo:hi] if max_sqs else [],
+                self._launch(group, ops.traceable(backend), _advance(steps[lo:hi], found_inf), masters[lo:hi],
+                             grads[lo:hi], exp_avgs[lo:hi], exp_avg_sqs[lo:hi], max_sqs[lo:hi] if max_sqs else [],
                              params16[lo16:hi16] if writes16 else None, grad_scale, found_inf)
                 lo, lo16 = hi, hi16
 

@@ -255,7 +255,8 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
 
         Atomic: every group's gradients, hyper-parameters and states are checked before any
         counter or parameter changes. Nothing is read back from the device (see
-        [Note: launch plans] in ``zero_kernels/_launch_plan.py``)."""
+        [Note: launch plans] in ``zero_kernels/_launch_plan.py``). Under ``torch.compile`` the
+        step is traced into the caller's graph ([Note: the traced step] in ``_traced_step.py``)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -347,9 +348,9 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         """The launches of one group: device ops and kernel calls only, no host read-back."""
         for L in plan.launches:
             name = "reference" if L.ref_only else (self._resolved.get(L.device) or self._resolve(L.device))
-            self._launch(group, backends.get(name), _advance(L.steps, found_inf), L.masters, plan.grads_for(L, grads), L.exp_avgs,
-                         L.exp_avg_sqs, L.max_exp_avg_sqs, L.params16 if L.p16_dtype is not None else None,
-                         grad_scale, found_inf)
+            self._launch(group, backends.get(name), _advance(L.steps, found_inf), L.masters,
+                         plan.grads_for(L, grads), L.exp_avgs, L.exp_avg_sqs, L.max_exp_avg_sqs,
+                         L.params16 if L.p16_dtype is not None else None, grad_scale, found_inf)
         for dst, tmp in plan.writebacks:
             dst.copy_(tmp)
 
