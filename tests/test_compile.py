@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import zero_kernels as zk
-from zero_kernels import _ext, backends, ops  # noqa: F401  (ops: registers torch.ops.zero_kernels.*)
+from zero_kernels import _ext, ops
 from zero_kernels.reference import compute_coeffs, fused_adam_ref
 from conftest import BACKENDS
 
@@ -247,3 +247,34 @@ def test_compiled_training_step_with_scaler_inputs(backend):
         for k in oe.state[a]:
             assert torch.equal(oe.state[a][k], oc.state[b][k]), f"param {i} state {k!r}"
     assert float(oc.state[pc[0]]["step"]) == 4.0   # 5 steps, one skipped by found_inf
+
+
+@pytest.mark.parametrize("lr_kind", ["float", "tensor"])
+def test_compiled_step_follows_lr_changes(lr_kind):
+    """A scheduler changing lr between compiled steps: a tensor lr is a graph input (one graph for
+    every value); a float lr is a guarded constant until it changes, then Dynamo recompiles once
+    with it as an input (automatic dynamic). The bits follow eager either way."""
+    backend = "cpu" if _ext.cpu_module() is not None else "reference"
+    lrs = [1e-2, 5e-3, 2e-3, 2e-3, 1e-3]
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    runs = []
+    for compiled in (False, True):
+        params = _params(31, torch.float32)
+        lr = torch.tensor(lrs[0]) if lr_kind == "tensor" else lrs[0]
+        opt = zk.FusedAdamW(params, lr=lr, weight_decay=0.1, backend=backend)
+        fn = torch.compile(lambda: opt.step(), backend=record, fullgraph=True) if compiled else opt.step
+        for s, value in enumerate(lrs):
+            if lr_kind == "tensor":
+                opt.param_groups[0]["lr"].fill_(value)
+            else:
+                opt.param_groups[0]["lr"] = value
+            _grads(params, s, 31)
+            fn()
+        runs.append(params)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert len(graphs) == (1 if lr_kind == "tensor" else 2)
