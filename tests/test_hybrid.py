@@ -276,3 +276,15 @@ def test_step_time_hybrid_mesh_shapes():
         estimate(psi, 1024, two_nodes, Options(3, hybrid=True, shard_size=3))
     with pytest.raises(ValueError, match="hybrid"):
         Options(3, shard_size=2)
+
+
+def test_plan_simulate_shard_size(capsys):
+    """`plan --simulate --shard-size S` prints the (R, S) mesh rows; an S that does not divide --gpus is
+    refused naming the flag."""
+    from zero_kernels.plan import main
+    assert main(["--params", "1e9", "--gpus", "4", "--gpus-per-node", "2", "--stage", "3", "--simulate",
+                 "--shard-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO-3 + hybrid S=2" in out and "ZeRO-2 + hybrid S=2" in out
+    assert main(["--params", "1e9", "--gpus", "4", "--gpus-per-node", "2", "--simulate", "--shard-size", "3"]) == 2
+    assert "--shard-size 3" in capsys.readouterr().err

@@ -20,6 +20,12 @@ shard group and then over the replicate group (:func:`all_reduce_everywhere`,
 :func:`broadcast_from_first`), which reaches every rank of the mesh without a third group.
 A 1-D mesh is ``process_group=mesh.get_group()``; ``process_group=`` alone is a mesh with no
 replicate group. The slices' global norm needs no replicate step: every row holds the same slices.
+Checkpoints: the rows hold identical shards, so only the first row writes them (S shard files, once;
+:meth:`ZeroMesh.on_first_replica`) and every row reads the same files; a load that fails on any row
+changes nothing on any row (:meth:`ZeroMesh.any_replica`). Ordering: the replicate all-reduce is a
+collective every rank must issue at the same point, so it runs in the reduce-scatter's finalize and
+the handle never reports early completion (:class:`_InOrder`). qgZ (``quantize_grads``) rides on the
+mesh because it changes this same reduce-scatter (qgz.py); the replicate all-reduce stays exact.
 """
 from __future__ import annotations
 
@@ -169,7 +175,8 @@ def broadcast_from_first(tensors: list[Tensor], mesh: ZeroMesh) -> None:
 
 def _broadcast_text(text: str, group) -> str:
     """``text`` of the group's first rank, on every rank of ``group`` (two bounded broadcasts)."""
-    data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else torch.zeros(0, dtype=torch.uint8)
+    raw = text.encode()
+    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
     n = torch.tensor([data.numel()], dtype=torch.int64)
     C.broadcast_from_first([n], group)
     buf = data.clone() if C.group_rank(group) == 0 else torch.zeros(int(n.item()), dtype=torch.uint8)

@@ -30,8 +30,8 @@ STRATEGIES = {1: Stage1, 2: Stage2, 3: Stage3}
 
 class ZeroAdamW(torch.optim.Optimizer):
     """AdamW with ZeRO-1/2/3 sharding over ``process_group``, or over the "shard" dimension of a 2-D
-    ``mesh`` with replication across its "replicate" dimension ([Note: hybrid sharding]). Takes the module (it needs parameter
-    names for the layout and hooks for stages 2-3). Trainable parameters become views into flat
+    ``mesh`` with replication across its "replicate" dimension ([Note: hybrid sharding]). Takes the
+    module (it needs parameter names for the layout and hooks for stages 2-3). Trainable parameters become views into flat
     per-bucket buffers; frozen ones are left alone (cast to ``param_dtype`` when one is given)."""
     adamw = True                        # decoupled weight decay (ZeroAdam: L2 added to the gradient)
 
@@ -45,7 +45,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                             f"and gradient hooks), got {type(model).__name__}: pass `model`, not "
                             "`model.parameters()`; per-group settings go in param_groups=[...]")
         cfg = ZeroConfig(stage=stage, **options)
-        zmesh = resolve_mesh(mesh, process_group)._replace(quantize_grads=cfg.quantize_grads)   # [Note: hybrid sharding]
+        zmesh = resolve_mesh(mesh, process_group)._replace(quantize_grads=cfg.quantize_grads)  # mesh.py
         process_group = zmesh.shard_group
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (list, tuple)) else betas, eps=eps,
                         weight_decay=(0.01 if self.adamw else 0.0) if weight_decay is None else weight_decay,
@@ -231,7 +231,8 @@ class ZeroAdamW(torch.optim.Optimizer):
     def save_checkpoint(self, path) -> str:
         """Collective: every rank writes its shard of a resharding checkpoint under ``path`` (with a 2-D
         mesh, the first replica's ranks write; [Note: hybrid sharding])."""
-        return self.mesh.on_first_replica(lambda: checkpoint.save_checkpoint(self, path), checkpoint.CheckpointError)
+        return self.mesh.on_first_replica(lambda: checkpoint.save_checkpoint(self, path),
+                                          checkpoint.CheckpointError)
 
     @bounded_by_timeout
     def load_checkpoint(self, path, verify: bool = True) -> None:
