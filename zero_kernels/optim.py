@@ -13,9 +13,10 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from . import backends
+from . import backends, optim_coded
 from ._launch_plan import GroupPlan, Launch, is_low_precision, local, packed_steps, signature, state_error
-from .hparams import scalar_lr, validate_hparams as _validate_hparams
+from .codecs import BLOCK
+from .hparams import check_param_format, scalar_lr, validate_hparams as _validate_hparams, validate_state_format
 from .reference import compute_coeffs, fused_adam_ref
 
 __all__ = ["FusedAdam", "FusedAdamW"]
@@ -40,6 +41,9 @@ class FusedAdam(torch.optim.Optimizer):
         pass; ``False`` keeps 16-bit states like torch does (runs the reference path);
         ``True`` is the same as ``None``.
     backend: ``"auto"`` | ``"triton"`` | ``"cpu"`` | ``"cuda"`` | ``"reference"``.
+    exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders, min_8bit_size: the state formats of
+        [Note: state formats] (hparams.py); their state dicts, conversions and backends: [Note: coded
+        state dicts] (optim_coded.py). The defaults are fp32 states, as torch.
 
     ``foreach`` is accepted and ignored (the step is always multi-tensor); ``fused=False`` and
     ``differentiable=True`` are refused. ``step`` lives on the parameter's device (as with torch's
@@ -69,8 +73,14 @@ class FusedAdam(torch.optim.Optimizer):
         decoupled_weight_decay: bool | None = None,
         master_weights: bool | None = None,
         backend: str = "auto",
+        exp_avg_dtype: torch.dtype = torch.float32,
+        exp_avg_sq_dtype: torch.dtype = torch.float32,
+        store_param_remainders: bool = False,
+        min_8bit_size: int = BLOCK,
     ) -> None:
         _validate_hparams(lr, betas, eps, weight_decay)
+        self._format = validate_state_format(exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders,
+                                             min_8bit_size, master_weights=master_weights)
         if differentiable:
             raise ValueError(f"{type(self).__name__} does not support differentiable=True "
                              "(the fused kernel updates in place); use torch.optim.Adam(differentiable=True)")
@@ -119,9 +129,11 @@ class FusedAdam(torch.optim.Optimizer):
                              "group runs on one device: put each device's parameters in its own group")
         merged = {**self.defaults, **param_group}
         _validate_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        for i, t in enumerate(tensors):
+            check_param_format(self._format, i, t, merged["amsgrad"])
         for dev in devices:
             if dev not in self._resolved:
-                self._resolved[dev] = backends.resolve(self._backend_request, dev)
+                self._resolve(dev)
         super().add_param_group(param_group)
         self._epoch = getattr(self, "_epoch", 0) + 1
 
@@ -130,13 +142,15 @@ class FusedAdam(torch.optim.Optimizer):
         """torch's state plus what ``__init__`` set, so that ``copy.deepcopy`` and pickling give a
         working optimizer (launch plans are not carried: they are rebuilt at the next step)."""
         state = super().__getstate__()
-        state.update(_backend_request=self._backend_request, _master_weights=self._master_weights)
+        state.update(_backend_request=self._backend_request, _master_weights=self._master_weights,
+                     _format=self._format)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_backend_request", "auto")
         self.__dict__.setdefault("_master_weights", None)
+        self.__dict__.setdefault("_format", validate_state_format(torch.float32, torch.float32, False, BLOCK))
         self._resolved: dict[torch.device, str] = {}
         self._plans: dict[int, GroupPlan] = {}
         self._epoch = 0
@@ -154,11 +168,14 @@ class FusedAdam(torch.optim.Optimizer):
         (a mismatch raises before anything is loaded). With master weights, the moments and master
         of 16-bit parameters are fp32 (torch casts floating state to the parameter's dtype): an fp32
         saved state is kept as saved, a 16-bit one (saved by torch.optim, or a 16-bit master) is
-        upcast exactly."""
+        upcast exactly. States saved in another format than this optimizer's are converted first
+        ([Note: coded state dicts] in optim_coded.py)."""
+        coded = self._format.coded
+        state_dict = optim_coded.convert_state_dict(state_dict, self.param_groups, self._format)
         saved = state_dict["state"]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
-        for p, sid in zip(params, saved_ids):
+        for p, sid in zip(params, saved_ids if not coded else ()):
             for k in _FP32_STATE_KEYS:
                 v = saved.get(sid, {}).get(k)
                 where = f"state_dict['state'][{sid}]"
@@ -168,7 +185,9 @@ class FusedAdam(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self._epoch += 1
         for p, sid in zip(params, saved_ids):
-            if not self._uses_master(p) or sid not in saved:
+            if coded and sid in saved:      # torch cast the codes to the parameter's dtype: restore them
+                self.state[p].update({k: v for k, v in saved[sid].items() if k != "step"})
+            if coded or not self._uses_master(p) or sid not in saved:
                 continue
             for k in _FP32_STATE_KEYS:
                 v = saved[sid].get(k)
@@ -253,6 +272,9 @@ class FusedAdam(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = grad_scale if grad_scale is not None else getattr(self, "grad_scale", None)
         found_inf = found_inf if found_inf is not None else getattr(self, "found_inf", None)
+        if self._format.coded:
+            self._step_coded(grad_scale, found_inf)
+            return loss
         states = list(self.state.values())   # a state dict replaced by the user: rebuild the plans
         if len(states) != len(self._state_dicts) or not all(map(operator.is_, states, self._state_dicts)):
             self._epoch += 1
@@ -353,8 +375,23 @@ class FusedAdam(torch.optim.Optimizer):
         for dst, tmp in plan.writebacks:
             dst.copy_(tmp)
 
+    def _step_coded(self, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+        """A step on coded states ([Note: coded state dicts]): every check of every group first."""
+        for gi, group in enumerate(self.param_groups):
+            self._check_scalars(gi, group)
+            self._check_grads(gi, group, [p.grad for p in group["params"]])
+        work = optim_coded.coded_work(self.param_groups, self.state, self._format)
+        gs = None if grad_scale is None else grad_scale.to(torch.float32).reshape(1).reciprocal()
+        for group, device, params, seeds in work:
+            states = [self.state[p] for p in params]
+            optim_coded.step_coded(self._resolved.get(device) or self._resolve(device), params,
+                                   [local(p.grad) for p in params], states, seeds, group,
+                                   None if gs is None else gs.to(device),
+                                   None if found_inf is None else found_inf.to(device, torch.float32).reshape(1))
+
     def _resolve(self, device: torch.device) -> str:
-        self._resolved[device] = backends.resolve(self._backend_request, device)
+        pick = optim_coded.resolve_backend if self._format.coded else backends.resolve
+        self._resolved[device] = pick(self._backend_request, device)
         return self._resolved[device]
 
     @property
@@ -373,8 +410,11 @@ class FusedAdamW(FusedAdam):
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
                  maximize: bool = False, foreach: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, fused: bool | None = None,
-                 master_weights: bool | None = None, backend: str = "auto") -> None:
+                 master_weights: bool | None = None, backend: str = "auto",
+                 exp_avg_dtype: torch.dtype = torch.float32, exp_avg_sq_dtype: torch.dtype = torch.float32,
+                 store_param_remainders: bool = False, min_8bit_size: int = BLOCK) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable, differentiable=differentiable,
                          fused=fused, decoupled_weight_decay=True, master_weights=master_weights,
-                         backend=backend)
+                         backend=backend, exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype,
+                         store_param_remainders=store_param_remainders, min_8bit_size=min_8bit_size)
