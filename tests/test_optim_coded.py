@@ -296,3 +296,23 @@ def test_bad_checkpoints_raise_before_anything_is_loaded():
     with pytest.raises(ValueError, match=r"'exp_avg_scale' has shape \(3,\), expected \(2,\).*Nothing was loaded"):
         oc.load_state_dict(bad)
     assert all(torch.equal(bits(v), bits(oc.state[a[0]][k])) for k, v in before.items())
+
+
+@pytest.mark.parametrize("backend", CODED_BACKENDS)
+def test_grad_scale_and_found_inf_through_the_optimizer(backend):
+    """step(grad_scale=, found_inf=) (GradScaler's contract): scaled gradients give the codec's unscaled step
+    bit for bit; found_inf skips everything, the step counter included."""
+    f = FORMATS["8bit+rem"] | dict(exp_avg_sq_dtype=BF)
+    a, b = params_of(15, BF, [(300,), (1025,)]), params_of(15, BF, [(300,), (1025,)])
+    states = codec_run(a, HP[0], 1, 16, f)
+    opt = make(b, HP[0], backend, **f)
+    for p, g in zip(b, grads_of(16, 0, b)):
+        p.grad = g * 64.0                                  # exact: a power of two
+    opt.step(grad_scale=torch.tensor(64.0), found_inf=torch.tensor(0.0))
+    assert_same_states(opt, b, states, "scaled")
+    before = [p.detach().clone() for p in b], [{k: v.clone() for k, v in opt.state[p].items()} for p in b]
+    for p in b:
+        p.grad = torch.full_like(p, float("inf"))
+    opt.step(grad_scale=torch.tensor(64.0), found_inf=torch.tensor(1.0))
+    assert_same_states(opt, b, before[1], "skipped")
+    assert all(torch.equal(bits(x), bits(y)) for x, y in zip(before[0], b))

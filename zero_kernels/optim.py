@@ -380,14 +380,9 @@ class FusedAdam(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             self._check_scalars(gi, group)
             self._check_grads(gi, group, [p.grad for p in group["params"]])
-        work = optim_coded.coded_work(self.param_groups, self.state, self._format)
-        gs = None if grad_scale is None else grad_scale.to(torch.float32).reshape(1).reciprocal()
-        for group, device, params, seeds in work:
-            states = [self.state[p] for p in params]
+        for group, device, params, seeds in optim_coded.coded_work(self.param_groups, self.state, self._format):
             optim_coded.step_coded(self._resolved.get(device) or self._resolve(device), params,
-                                   [local(p.grad) for p in params], states, seeds, group,
-                                   None if gs is None else gs.to(device),
-                                   None if found_inf is None else found_inf.to(device, torch.float32).reshape(1))
+                                   [self.state[p] for p in params], seeds, group, grad_scale, found_inf)
 
     def _resolve(self, device: torch.device) -> str:
         pick = optim_coded.resolve_backend if self._format.coded else backends.resolve

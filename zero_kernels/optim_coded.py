@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from . import backends, codecs
+from ._launch_plan import local
 from .hparams import StateFormat, scalar_lr
 
 __all__ = ["new_state", "state_problem", "convert_state", "convert_state_dict", "is_coded_state", "resolve_backend",
@@ -211,16 +212,21 @@ def resolve_backend(request: str, device: torch.device) -> str:
     return "reference"
 
 
-def step_coded(backend: str, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]],
-               seeds: list[int], group: dict[str, Any], grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
-    """One step of one parameter group's coded states on ``backend`` (``grad_scale``: the multiplier)."""
+def step_coded(backend: str, params: list[Tensor], states: list[dict[str, Tensor]], seeds: list[int],
+               group: dict[str, Any], grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+    """One step of one parameter group's coded states (all on one device) on ``backend``; ``grad_scale`` is
+    GradScaler's loss scale (the gradients are divided by it), ``found_inf`` nonzero skips the step."""
+    device = params[0].device
+    gs = None if grad_scale is None else grad_scale.to(device, torch.float32).reshape(1).reciprocal()
+    fi = None if found_inf is None else found_inf.to(device, torch.float32).reshape(1)
+    grads = [local(p.grad) for p in params]
     beta1, beta2 = (float(b) for b in group["betas"])
     hp = dict(lr=scalar_lr(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
               weight_decay=float(group["weight_decay"]), adamw=bool(group["decoupled_weight_decay"]),
               maximize=bool(group["maximize"]))
     if backend == "triton":
-        from .kernels.adam_coded import adam_step_coded_triton
-        adam_step_coded_triton(params, grads, states, seeds, grad_scale=grad_scale, found_inf=found_inf, **hp)
+        from .kernels.adam_coded import adam_step_coded_triton   # triton is optional: imported when used
+        adam_step_coded_triton(params, grads, states, seeds, grad_scale=gs, found_inf=fi, **hp)
         return
     for p, g, st, seed in zip(params, grads, states, seeds):
-        codecs.adam_step_coded(p.detach(), g, st, seed=seed, grad_scale=grad_scale, found_inf=found_inf, **hp)
+        codecs.adam_step_coded(p.detach(), g, st, seed=seed, grad_scale=gs, found_inf=fi, **hp)
