@@ -86,7 +86,8 @@ class Stage3(HookReduced):
 
     @staticmethod
     def new_bucket(layout, index, rank, params, device, amsgrad, config) -> UnitBucket:
-        return UnitBucket(layout, index, rank, params, device, amsgrad, use_gather_cache=config.gather_cache)
+        return UnitBucket(layout, index, rank, params, device, amsgrad, use_gather_cache=config.gather_cache,
+                          quantize_weights=config.quantize_weights)
 
     def __init__(self, ctx: StrategyContext, units: list[tuple[str, nn.Module]]):
         cfg = ctx.config
