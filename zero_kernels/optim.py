@@ -17,15 +17,13 @@ from . import backends, optim_coded
 from ._launch_plan import GroupPlan, Launch, is_low_precision, local, packed_steps, signature, state_error
 from ._traced_step import TracedStep
 from .codecs import BLOCK
+from .optim_checks import check_grads, check_scalars
 from .hparams import check_param_format, scalar_lr, validate_hparams as _validate_hparams, validate_state_format
 from .reference import compute_coeffs
 
 __all__ = ["FusedAdam", "FusedAdamW"]
 
 _FP32_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
-_FP32_MAX = torch.finfo(torch.float32).max
-
-
 
 
 def _scalar(x: float | Tensor) -> float:
@@ -237,34 +235,6 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         return state
 
     # ------------------------------------------------------------------ step
-    @staticmethod
-    def _check_scalars(gi: int, group: dict[str, Any]) -> None:
-        """Hyper-parameters the kernels take as fp32 must fit in fp32 (torch.optim.AdamW raises too)."""
-        for k in ("lr", "eps", "weight_decay"):
-            v = group[k]
-            if not isinstance(v, Tensor) and abs(float(v)) > _FP32_MAX:
-                raise RuntimeError(f"param_groups[{gi}]['{k}'] = {v!r} cannot be converted to float32 "
-                                   "without overflow (the kernels compute in fp32; torch.optim.AdamW "
-                                   "raises the same); use a finite fp32 value")
-
-    def _check_grads(self, gi: int, group: dict[str, Any], grads: list[Tensor | None]) -> None:
-        """Every bad gradient of group ``gi`` is reported, naming it, before any state changes."""
-        for pi, (p, g) in enumerate(zip(group["params"], grads)):
-            if g is None:
-                continue
-            where = f"param_groups[{gi}]['params'][{pi}]"
-            if g.is_sparse:
-                raise RuntimeError(f"{where} has a sparse gradient; {type(self).__name__} does not "
-                                   "support sparse gradients, please consider SparseAdam instead")
-            if g.shape != p.shape:
-                raise RuntimeError(f"{where}: gradient shape {tuple(g.shape)} does not match the "
-                                   f"parameter's {tuple(p.shape)}")
-            if g.dtype != p.dtype:
-                raise RuntimeError(f"{where}: gradient dtype {g.dtype} does not match the "
-                                   f"parameter's {p.dtype}")
-            if g.device != p.device:
-                raise RuntimeError(f"{where}: gradient on {g.device}, parameter on {p.device}")
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, *, grad_scale: Tensor | None = None,
              found_inf: Tensor | None = None) -> float | None:
@@ -302,9 +272,9 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
             grads = [p.grad for p in group["params"]]
             sig = signature(group["params"], grads)
             plan = self._plans.get(gi)
-            self._check_scalars(gi, group)
+            check_scalars(gi, group)
             if plan is None or not plan.matches(sig, self._epoch, group["amsgrad"]):
-                self._check_grads(gi, group, grads)
+                check_grads(type(self).__name__, gi, group, grads)
                 plan = None
             work.append((gi, group, grads, sig, plan))
         for k, (gi, group, grads, sig, plan) in enumerate(work):
@@ -379,8 +349,8 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
     def _step_coded(self, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
         """A step on coded states ([Note: coded state dicts]): every check of every group first."""
         for gi, group in enumerate(self.param_groups):
-            self._check_scalars(gi, group)
-            self._check_grads(gi, group, [p.grad for p in group["params"]])
+            check_scalars(gi, group)
+            check_grads(type(self).__name__, gi, group, [p.grad for p in group["params"]])
         for group, device, params, seeds in optim_coded.coded_work(self.param_groups, self.state, self._format):
             optim_coded.step_coded(self._resolved.get(device) or self._resolve(device), params,
                                    [self.state[p] for p in params], seeds, group, grad_scale, found_inf)
