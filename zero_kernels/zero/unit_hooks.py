@@ -1,5 +1,23 @@
 """ZeRO-3 runtime: forward/backward module hooks that gather, prefetch and free units
-([Note: stage-3 hooks] in stage3.py)."""
+([Note: stage-3 hooks] in stage3.py).
+
+[Note: stage 3 under torch.compile]
+``torch.compile(model)`` traces a module's forward *and* its module hooks. Traced by Dynamo, the
+hooks' ``p.data = ...`` swaps (gather: views of the unit's flat buffer; free: the 0-element
+placeholder) ran as graph code, and the first backward failed with "modified by an inplace
+operation" (a parameter's autograd version counter had advanced); collectives and storage resizes
+do not belong in a graph either. So the forward hooks are ``torch.compiler.disable``-d (FSDP2 does the same with its hooks,
+``torch._dynamo.config.skip_fsdp_hooks``): Dynamo breaks the graph at each unit's hooks, they run
+eagerly, and the compiled regions between them only ever see gathered parameters, so their guards
+(shape, stride, dtype) hold from step to step (no recompilation). Eagerly, ``p.data = x`` keeps the
+Parameter's own version counter (``set_data``), the all-gather writes the flat buffer under
+``no_grad``, and tensors a compiled forward saved for backward (parameters, or views of them) point
+at the buffer's storage, which is resized, never replaced ([Note: stage-3 storage]), so they are
+valid again once the pre-backward hook re-gathers. The parameters keep their 0-element placeholder
+while freed (FSDP2 keeps the full shape over a 0-byte storage instead: a stray read of a freed
+parameter there reads a null pointer; here it is an empty tensor, and ``model.to(dtype)`` on a
+freed model is caught by the bound-parameter check).
+"""
 from __future__ import annotations
 
 from typing import Callable
@@ -48,9 +66,11 @@ class UnitRuntime:
         self.handles = []
         for u in self.units:
             if u.buckets or u.index == 0:
-                self.handles.append(u.module.register_forward_pre_hook(
-                    scoped(self.timeout, self.group, self._pre_forward_hook(u))))
-                self.handles.append(u.module.register_forward_hook(self._post_forward_hook(u)))
+                # eager even inside torch.compile (see [Note: stage 3 under torch.compile])
+                self.handles.append(u.module.register_forward_pre_hook(torch.compiler.disable(
+                    scoped(self.timeout, self.group, self._pre_forward_hook(u)))))
+                self.handles.append(u.module.register_forward_hook(
+                    torch.compiler.disable(self._post_forward_hook(u))))
         # sequences (unit indices, with repeats) recorded in the first forward / backward
         self.fwd_seq: list[int] | None = None
         self.fwd_post_seq: list[int] | None = None
