@@ -12,7 +12,8 @@ call sequence recorded in the first forward; the post-hook frees the unit (``res
 and registers a pre-backward hook (``Tensor.register_hook``) on every output that requires grad.
 The root unit, and the last unit of the recorded forward order, are not freed after a forward
 that needs a backward: they are the first to get gradients (FSDP2 keeps its root the same way);
-this saves one all-gather per step. A forward that runs *inside* backward (activation
+this saves one all-gather per step. When no backward follows (eval mode, grad off, or the graph
+dropped) they are given back ([Note: forward without backward] in unit_hold.py). A forward that runs *inside* backward (activation
 checkpointing recomputation, ``torch._C._current_graph_task_id() != -1``) gathers and never frees:
 the unit is freed when its gradients are complete.
 Backward: the first output gradient of a unit (per call: a unit called twice has hooks on both

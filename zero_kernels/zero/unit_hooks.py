@@ -28,6 +28,7 @@ from torch.autograd import Variable
 
 from .timeouts import scoped
 from .unit_bucket import FREE, UnitBucket, cache_module
+from .unit_hold import BackwardHold
 
 __all__ = ["UnitRuntime"]
 
@@ -83,6 +84,7 @@ class UnitRuntime:
         self._last_unit: int | None = None    # last unit of the forward: kept for backward
         self._in_forward = False
         self._final_queued = False
+        self.hold = BackwardHold(self.free_all)   # [Note: forward without backward] in unit_hold.py
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
         self.peak_gathered_units = 0
@@ -114,6 +116,7 @@ class UnitRuntime:
             self.free(b)
 
     def free_all(self) -> None:
+        self.hold.clear()
         for u in self.units:
             self._free_unit(u)
 
@@ -150,6 +153,9 @@ class UnitRuntime:
                 self._ensure(u)
                 return None
             if u.index == 0:
+                if self.hold.start_forward():         # held for a backward that never came
+                    for x in self.units[1:]:
+                        self._free_unit(x)
                 self._in_forward = True
                 self._fwd_pos = 0
                 self._rec_fwd, self._rec_post = [], []
@@ -172,7 +178,7 @@ class UnitRuntime:
             needs_grad = False
             if torch.is_grad_enabled():
                 for t in _grad_tensors(output):
-                    t.register_hook(scoped(self.timeout, self.group, self._pre_backward_hook(u)))
+                    t.register_hook(scoped(self.timeout, self.group, self._pre_backward_hook(u, self.hold.token)))
                     needs_grad = True
             if self._in_forward:
                 self._rec_post.append(u.index)
@@ -183,12 +189,14 @@ class UnitRuntime:
                     self.fwd_seq, self.fwd_post_seq = self._rec_fwd, self._rec_post
                     rest = [i for i in self._rec_post if i != 0]
                     self._last_unit = rest[-1] if rest else None
-                if self.reshard_after_forward:
+                hold = needs_grad and module.training   # a backward is expected
+                if self.reshard_after_forward or not hold:
                     for x in self.units[1:]:          # also prefetched units that did not run
-                        if not (needs_grad and x.index == self._last_unit):
+                        if not (hold and x.index == self._last_unit):
                             self._free_unit(x)
-                    if not needs_grad:
+                    if not hold:
                         self._free_unit(u)
+                self.hold.end_forward(hold)
             elif self.reshard_after_forward and not keep_last:
                 self._free_unit(u)
             return None
@@ -198,12 +206,13 @@ class UnitRuntime:
     def ensure_final_callback(self) -> None:
         if not self._final_queued:
             self._final_queued = True
+            self.hold.clear()
             self._bwd_pos = 0
             self._rec_bwd = []
             Variable._execution_engine.queue_callback(scoped(self.timeout, self.group, self._post_backward))
 
-    def _pre_backward_hook(self, u: _Unit):
-        def hook(grad):
+    def _pre_backward_hook(self, u: _Unit, token):
+        def hook(grad, _token=token):    # the forward's token lives as long as this hook (unit_hold.py)
             with torch.no_grad():
                 self.ensure_final_callback()
                 self._ensure(u)
@@ -251,17 +260,17 @@ class UnitRuntime:
 
 
 def _grad_tensors(output) -> list[Tensor]:
-    out = []
-
-    def visit(x):
+    """The tensors in ``output`` (nested lists, tuples, dicts) that require grad, in order. Iterative:
+    a recursive closure would be a reference cycle holding the outputs (and their autograd graph)
+    until the garbage collector runs ([Note: forward without backward] in unit_hold.py)."""
+    out, todo = [], [output]
+    while todo:
+        x = todo.pop()
         if isinstance(x, Tensor):
             if x.requires_grad:
                 out.append(x)
         elif isinstance(x, (list, tuple)):
-            for y in x:
-                visit(y)
+            todo.extend(reversed(x))
         elif isinstance(x, dict):
-            for y in x.values():
-                visit(y)
-    visit(output)
+            todo.extend(reversed(list(x.values())))
     return out
