@@ -47,13 +47,15 @@ class UnitRuntime:
     """The module hooks of stage 3 over its units (see [Note: stage-3 hooks] in stage3.py)."""
 
     def __init__(self, units: list[tuple[str, nn.Module]], buckets: list[UnitBucket], group, rank: int,
-                 prefetch: int, reshard_after_forward: bool, end_backward: Callable[[], None], timeout=None):
+                 prefetch: int, reshard_after_forward: bool, end_backward: Callable[[], None], timeout=None,
+                 on_forward_order: Callable[[list[int]], None] = lambda seq: None):
         self.group = group
         self.timeout = timeout                # every wait in these hooks is bounded by ZeroAdamW(timeout=)
         self.rank = rank
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
         self.end_backward = end_backward      # the reducer's end-of-backward work
+        self.on_forward_order = on_forward_order  # gets the unit order recorded in the first forward
         self.units = [_Unit(i, n, m, [b for b in buckets if b.spec.unit == i])
                       for i, (n, m) in enumerate(units)]
         # Gather cache limit: the gathered working set (root + current + prefetched + the unit
@@ -189,6 +191,7 @@ class UnitRuntime:
                     self.fwd_seq, self.fwd_post_seq = self._rec_fwd, self._rec_post
                     rest = [i for i in self._rec_post if i != 0]
                     self._last_unit = rest[-1] if rest else None
+                    self.on_forward_order(self.fwd_seq)
                 hold = needs_grad and module.training   # a backward is expected
                 if self.reshard_after_forward or not hold:
                     for x in self.units[1:]:          # also prefetched units that did not run
