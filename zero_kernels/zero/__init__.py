@@ -22,9 +22,11 @@ One concept per file (after FSDP2's ``_fully_shard/``); the ``[Note: ...]`` bloc
     units.py        stage-3 units ([Note: stage-3 units])
     unit_bucket.py  stage-3 storage and the gather cache ([Note: stage-3 storage])
     unit_hooks.py   stage-3 forward/backward module hooks, prefetch
+    relayout.py     flat slices <-> FSDP2's per-parameter Shard(0) chunks ([Note: dim-0 chunks])
     ../layout.py      the bucket layout as plain data ([Note: bucket], [Note: slice], [Note: padding])
     ../hparams.py     the hyper-parameter validator shared with FusedAdam ([Note: hyper-parameter rules])
     ../checkpoint.py  sharded resharding checkpoints + offline CLI ([Note: checkpoint format])
+    ../dcp.py         FSDP2-form state dicts for torch.distributed.checkpoint ([Note: DCP interop])
 """
 from ..layout import Layout, build_layout
 from .config import ZeroConfig
