@@ -47,7 +47,7 @@ class BackwardHold:
         self.held = None
         self.generation += 1
         self.token = _Token()
-        weakref.finalize(self.token, self._graph_freed, self.generation)
+        weakref.finalize(self.token, self._graph_freed, self.generation).atexit = False   # not at exit
         return stale
 
     def end_forward(self, hold: bool) -> None:
