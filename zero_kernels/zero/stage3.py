@@ -13,8 +13,8 @@ and registers a pre-backward hook (``Tensor.register_hook``) on every output tha
 The root unit, and the last unit of the recorded forward order, are not freed after a forward
 that needs a backward: they are the first to get gradients (FSDP2 keeps its root the same way);
 this saves one all-gather per step. When no backward follows (eval mode, grad off, or the graph
-dropped) they are given back ([Note: forward without backward] in unit_hold.py). A forward that runs *inside* backward (activation
-checkpointing recomputation, ``torch._C._current_graph_task_id() != -1``) gathers and never frees:
+dropped) they are given back ([Note: forward without backward] in unit_hold.py). A forward that
+runs *inside* backward (activation checkpointing recomputation, ``torch._C._current_graph_task_id() != -1``) gathers and never frees:
 the unit is freed when its gradients are complete.
 Backward: the first output gradient of a unit (per call: a unit called twice has hooks on both
 calls' outputs; the hook is idempotent) re-gathers it and prefetches the next ``prefetch`` units of

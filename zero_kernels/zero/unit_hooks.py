@@ -6,8 +6,8 @@
 hooks' ``p.data = ...`` swaps (gather: views of the unit's flat buffer; free: the 0-element
 placeholder) ran as graph code, and the first backward failed with "modified by an inplace
 operation" (a parameter's autograd version counter had advanced); collectives and storage resizes
-do not belong in a graph either. So the forward hooks are ``torch.compiler.disable``-d (FSDP2 does the same with its hooks,
-``torch._dynamo.config.skip_fsdp_hooks``): Dynamo breaks the graph at each unit's hooks, they run
+do not belong in a graph either. So the forward hooks are ``torch.compiler.disable``-d (FSDP2
+does the same with its hooks, ``torch._dynamo.config.skip_fsdp_hooks``): Dynamo breaks the graph at each unit's hooks, they run
 eagerly, and the compiled regions between them only ever see gathered parameters, so their guards
 (shape, stride, dtype) hold from step to step (no recompilation). Eagerly, ``p.data = x`` keeps the
 Parameter's own version counter (``set_data``), the all-gather writes the flat buffer under
