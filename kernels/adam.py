@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import wrap_triton
 
 from ..reference import moment_coeffs
 from ._multi_tensor import (block_offsets, chunk_map, device_guard, pointer_table, program_chunk, round_bf16_bits,
@@ -119,6 +120,36 @@ def _adam_block(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, offs, mas
 
 
 @triton.jit
+def _scalars(coeffs, row, grad_scale_ptr, HAS_GRAD_SCALE: tl.constexpr):
+    """(step_size, bc2_sqrt, decay, grad_scale) of the tensor at row ``row`` of coeffs."""
+    step_size = tl.load(coeffs + row * 3 + 0)
+    bc2_sqrt = tl.load(coeffs + row * 3 + 1)
+    decay = tl.load(coeffs + row * 3 + 2)
+    grad_scale = tl.load(grad_scale_ptr) if HAS_GRAD_SCALE else 1.0
+    return step_size, bc2_sqrt, decay, grad_scale
+
+
+@triton.jit
+def _adam_unhinted(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, block_start, offs, numel,
+                   step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2, one_minus_beta2,
+                   eps, weight_decay, HAS_GRAD_SCALE: tl.constexpr, ADAMW: tl.constexpr,
+                   AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, P16_KIND: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr):
+    """One block with the pointers as they are: unmasked when it lies inside the tensor, masked
+    on the tensor's last block, nothing past it."""
+    if block_start + BLOCK_SIZE <= numel:
+        _adam_block(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, offs, None,
+                    step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2,
+                    one_minus_beta2, eps, weight_decay,
+                    False, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND)
+    elif block_start < numel:
+        _adam_block(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, offs, offs < numel,
+                    step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2,
+                    one_minus_beta2, eps, weight_decay,
+                    True, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND)
+
+
+@triton.jit
 def fused_adam_kernel(
     ptr_table,        # int64 [T, 6]: data_ptr of master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param16 (0 = absent)
     numels,           # int64 [T]: elements in tensor t
@@ -161,30 +192,63 @@ def fused_adam_kernel(
         p16_ptr = a_p16.to(tl.pointer_type(tl.uint16))
     else:
         p16_ptr = a_p16.to(tl.pointer_type(tl.float16))
-    step_size = tl.load(coeffs + t * 3 + 0)
-    bc2_sqrt = tl.load(coeffs + t * 3 + 1)
-    decay = tl.load(coeffs + t * 3 + 2)
-    grad_scale = tl.load(grad_scale_ptr) if HAS_GRAD_SCALE else 1.0
+    step_size, bc2_sqrt, decay, grad_scale = _scalars(coeffs, t, grad_scale_ptr, HAS_GRAD_SCALE)
     for i in range(N_ITERS):
         block_start, offs = block_offsets(start, i, BLOCK_SIZE)
-        if block_start + BLOCK_SIZE <= numel:
-            if aligned:
-                _adam_block(tl.multiple_of(master_ptr, 16), tl.multiple_of(grad_ptr, 16),
-                            tl.multiple_of(m_ptr, 16), tl.multiple_of(v_ptr, 16),
-                            tl.multiple_of(vmax_ptr, 16), tl.multiple_of(p16_ptr, 16), offs, None,
-                            step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2,
-                            one_minus_beta2, eps, weight_decay,
-                            False, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND)
-            else:
-                _adam_block(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, offs, None,
-                            step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2,
-                            one_minus_beta2, eps, weight_decay,
-                            False, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND)
-        elif block_start < numel:
-            _adam_block(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, offs, offs < numel,
+        if aligned and block_start + BLOCK_SIZE <= numel:
+            _adam_block(tl.multiple_of(master_ptr, 16), tl.multiple_of(grad_ptr, 16),
+                        tl.multiple_of(m_ptr, 16), tl.multiple_of(v_ptr, 16),
+                        tl.multiple_of(vmax_ptr, 16), tl.multiple_of(p16_ptr, 16), offs, None,
                         step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2,
                         one_minus_beta2, eps, weight_decay,
-                        True, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND)
+                        False, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND)
+        else:
+            _adam_unhinted(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, block_start, offs, numel,
+                           step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2, one_minus_beta2,
+                           eps, weight_decay, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND, BLOCK_SIZE)
+
+
+
+@triton.jit
+def fused_adam_tensor_kernel(
+    master_ptr,       # fp32 [numel]: master (or fp32 parameter), updated in place
+    grad_ptr,         # fp32/bf16/fp16 [numel]: gradient, read only
+    m_ptr,            # fp32 [numel]: exp_avg, updated in place
+    v_ptr,            # fp32 [numel]: exp_avg_sq, updated in place
+    vmax_ptr,         # fp32 [numel]: max_exp_avg_sq, updated iff AMSGRAD (else any fp32 tensor, untouched)
+    p16_ptr,          # bf16/fp16 [numel]: 16-bit parameter copy, written iff P16_KIND != 0 (else untouched)
+    coeffs,           # fp32 [T, 3]: (step_size, bc2_sqrt, decay) per tensor, as in fused_adam_kernel
+    row,              # int: this tensor's row of coeffs
+    numel,            # int: elements of this tensor
+    grad_scale_ptr,   # fp32 [1]: gradient multiplier; read iff HAS_GRAD_SCALE
+    found_inf_ptr,    # fp32 [1]: nonzero -> write nothing; read iff HAS_FOUND_INF
+    one_minus_beta1,  # fp32 scalar: 1 - beta1, computed in double on the host
+    beta2,            # fp32 scalar: second-moment decay rate
+    one_minus_beta2,  # fp32 scalar: 1 - beta2, computed in double on the host
+    eps,              # fp32 scalar: denominator epsilon
+    weight_decay,     # fp32 scalar: L2 coefficient when not ADAMW (skipped if 0)
+    # The compile-time flags and sizes of fused_adam_kernel, same meanings:
+    P16_KIND: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, ADAMW: tl.constexpr,
+    AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, N_ITERS: tl.constexpr,
+):
+    """The update of fused_adam_kernel over ONE tensor passed as kernel arguments (no pointer
+    table): the form a compiler can trace ([Note: the traced triton op] in zero_kernels/ops.py).
+    Same block body, so the same bits. Triton specializes pointer arguments on 16-byte alignment
+    by itself, so full blocks get 128-bit accesses without hints."""
+    if HAS_FOUND_INF:
+        if tl.load(found_inf_ptr) != 0:
+            return
+    start = tl.program_id(0).to(tl.int64) * (BLOCK_SIZE * N_ITERS)
+    if P16_KIND == 1:
+        p16 = p16_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
+    else:
+        p16 = p16_ptr.to(tl.pointer_type(tl.float16), bitcast=True)
+    step_size, bc2_sqrt, decay, grad_scale = _scalars(coeffs, row, grad_scale_ptr, HAS_GRAD_SCALE)
+    for i in range(N_ITERS):
+        block_start, offs = block_offsets(start, i, BLOCK_SIZE)
+        _adam_unhinted(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16, block_start, offs, numel,
+                       step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2, one_minus_beta2,
+                       eps, weight_decay, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND, BLOCK_SIZE)
 
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -285,14 +349,46 @@ def fused_adam_triton(
             maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
 
 
+
+def fused_adam_per_tensor(
+    masters: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+    max_exp_avg_sqs: list[Tensor], params16: list[Tensor], coeffs: Tensor, beta1: float, beta2: float,
+    eps: float, weight_decay: float, adamw: bool, maximize: bool, grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """The fused-Adam contract as one ``fused_adam_tensor_kernel`` launch per tensor, every tensor a
+    kernel argument: the body of the ``zero_kernels::fused_adam_triton`` operator, which tracers
+    (make_fx, AOTAutograd, Inductor) can follow. Positional schema of the operator: empty
+    ``max_exp_avg_sqs`` / ``params16`` lists stand for None. The callers (the operator's users)
+    pass checked tensors on one device, as for :func:`fused_adam_triton`."""
+    if not masters:
+        return
+    dummy = coeffs.new_empty(1)   # stands for an absent tensor argument; never read or written
+    one_minus_beta1, one_minus_beta2 = moment_coeffs(beta1, beta2)
+    flags = dict(P16_KIND=_P16_KIND[params16[0].dtype if params16 else None],
+                 HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+                 ADAMW=bool(adamw), AMSGRAD=bool(max_exp_avg_sqs), MAXIMIZE=bool(maximize),
+                 BLOCK_SIZE=BLOCK, N_ITERS=ITERS, **LAUNCH_OPTIONS)
+    gs = dummy if grad_scale is None else grad_scale
+    fi = dummy if found_inf is None else found_inf
+    with device_guard(masters[0].device):
+        for i, (p, g, m, v) in enumerate(zip(masters, grads, exp_avgs, exp_avg_sqs)):
+            if p.numel() == 0:
+                continue
+            wrap_triton(fused_adam_tensor_kernel)[(triton.cdiv(p.numel(), CHUNK),)](
+                p, g, m, v, max_exp_avg_sqs[i] if max_exp_avg_sqs else dummy,
+                params16[i] if params16 else dummy, coeffs, i, p.numel(), gs, fi,
+                one_minus_beta1, float(beta2), one_minus_beta2, float(eps), float(weight_decay), **flags)
+
+
 # Ahead-of-time codegen cases (tests/test_codegen.py compiles each for sm_80 and sm_90 and checks
 # the PTX for IEEE numerics, 128-bit accesses and no shared memory, and the cubin for spills):
 # (kernel, signature, constexprs, description, options). Every dtype combination fused_adam_triton
 # launches with; alignment is a run-time branch per tensor, so each variant has both paths.
 def _codegen_cases() -> list:
-    sig = dict(ptr_table="*i64", numels="*i64", coeffs="*fp32", chunk_tensor="*i32", chunk_start="*i64",
-               grad_scale_ptr="*fp32", found_inf_ptr="*fp32", one_minus_beta1="fp32", beta2="fp32",
-               one_minus_beta2="fp32", eps="fp32", weight_decay="fp32")
+    table_sig = dict(ptr_table="*i64", numels="*i64", chunk_tensor="*i32", chunk_start="*i64")
+    scalars = dict(coeffs="*fp32", grad_scale_ptr="*fp32", found_inf_ptr="*fp32", one_minus_beta1="fp32",
+                   beta2="fp32", one_minus_beta2="fp32", eps="fp32", weight_decay="fp32")
     per_thread = BLOCK // (32 * LAUNCH_OPTIONS["num_warps"])   # elements per thread per block
     words = lambda nbytes: per_thread * nbytes // 16           # noqa: E731 - 128-bit accesses per array
     names = {tl.float32: "fp32", tl.bfloat16: "bf16", tl.float16: "fp16"}
@@ -300,7 +396,7 @@ def _codegen_cases() -> list:
     for grad, p16 in ((tl.float32, 0), (tl.bfloat16, 1), (tl.float16, 2), (tl.float32, 1)):
         for ams in (False, True):
             for adamw in (True, False):
-                ce = dict(GRAD_DTYPE=grad, P16_KIND=p16, HAS_GRAD_SCALE=True, HAS_FOUND_INF=True,
+                ce = dict(P16_KIND=p16, HAS_GRAD_SCALE=True, HAS_FOUND_INF=True,
                           ADAMW=adamw, AMSGRAD=ams, MAXIMIZE=True, BLOCK_SIZE=BLOCK, N_ITERS=ITERS)
                 g_bytes = 4 if grad == tl.float32 else 2
                 desc = (f"grad={names[grad]} p16={['none', 'bf16', 'fp16'][p16]}"
@@ -309,7 +405,12 @@ def _codegen_cases() -> list:
                 opts = dict(LAUNCH_OPTIONS, streaming=True,
                             min_wide_loads=(3 + ams) * words(4) + words(g_bytes),
                             min_wide_stores=(3 + ams) * words(4))
-                cases.append((fused_adam_kernel, sig, ce, desc, opts))
+                cases.append((fused_adam_kernel, dict(table_sig, **scalars), dict(ce, GRAD_DTYPE=grad), desc, opts))
+                if adamw:   # the per-tensor kernel of the traced op: its tensors' dtypes are its signature
+                    tensors = dict(master_ptr="*fp32", grad_ptr=f"*{names[grad]}", m_ptr="*fp32", v_ptr="*fp32",
+                                   vmax_ptr="*fp32", p16_ptr=f"*{['fp32', 'bf16', 'fp16'][p16]}")
+                    cases.append((fused_adam_tensor_kernel, dict(tensors, row="i32", numel="i32", **scalars),
+                                  ce, f"per-tensor {desc}", opts))
     return cases
 
 

@@ -122,6 +122,9 @@ def _gather(obj, opt, what: str) -> list:
 def _agree(err: str | None, opt, what: str) -> None:
     """Raise on every rank when any rank failed (its message first)."""
     errs = _gather(err, opt, what)
+    failed = any(e is not None for e in errs) or err is not None
+    if opt.mesh.any_replica(failed) and not failed:       # [Note: hybrid sharding]: every row or none
+        raise CheckpointError(f"{what} failed on another replica of the mesh (see its log); nothing changed")
     if err is not None:
         raise CheckpointError(err)
     bad = [(r, e) for r, e in enumerate(errs) if e is not None]

@@ -15,8 +15,9 @@ from torch import Tensor
 
 from . import backends
 from ._launch_plan import GroupPlan, Launch, is_low_precision, local, packed_steps, signature, state_error
+from ._traced_step import TracedStep
 from .hparams import scalar_lr, validate_hparams as _validate_hparams
-from .reference import compute_coeffs, fused_adam_ref
+from .reference import compute_coeffs
 
 __all__ = ["FusedAdam", "FusedAdamW"]
 
@@ -30,7 +31,15 @@ def _scalar(x: float | Tensor) -> float:
     return float(x.item()) if isinstance(x, Tensor) else float(x)
 
 
-class FusedAdam(torch.optim.Optimizer):
+def _advance(steps: Tensor, found_inf: Tensor | None) -> Tensor:
+    """A launch's packed step counters advanced in place, by 1 - found_inf on the device (torch's
+    fused path): one op, whatever the number of parameters ([Note: launch plans])."""
+    if found_inf is not None:
+        return steps.add_(1.0 - found_inf.to(steps.device, torch.float32).reshape(()))
+    return steps.add_(1.0)
+
+
+class FusedAdam(TracedStep, torch.optim.Optimizer):
     """Adam (``decoupled_weight_decay=False``: L2 added to the gradient) as one fused pass.
 
     Same constructor, defaults and semantics as ``torch.optim.Adam``. Extra keyword-only:
@@ -246,13 +255,23 @@ class FusedAdam(torch.optim.Optimizer):
 
         Atomic: every group's gradients, hyper-parameters and states are checked before any
         counter or parameter changes. Nothing is read back from the device (see
-        [Note: launch plans] in ``zero_kernels/_launch_plan.py``)."""
+        [Note: launch plans] in ``zero_kernels/_launch_plan.py``). Under ``torch.compile`` the
+        step is traced into the caller's graph ([Note: the traced step] in ``_traced_step.py``)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         grad_scale = grad_scale if grad_scale is not None else getattr(self, "grad_scale", None)
         found_inf = found_inf if found_inf is not None else getattr(self, "found_inf", None)
+        if torch.compiler.is_compiling():   # [Note: the traced step]
+            self._traced_step(grad_scale, found_inf)
+            return loss
+        for group, grads, plan in self._prepare():
+            self._run_plan(group, plan, grads, grad_scale, found_inf)
+        return loss
+
+    def _prepare(self) -> list[tuple[dict[str, Any], list[Tensor | None], GroupPlan]]:
+        """(group, gradients, plan) of every group: all checked before any state or plan is created."""
         states = list(self.state.values())   # a state dict replaced by the user: rebuild the plans
         if len(states) != len(self._state_dicts) or not all(map(operator.is_, states, self._state_dicts)):
             self._epoch += 1
@@ -273,9 +292,7 @@ class FusedAdam(torch.optim.Optimizer):
                     self._plans[gi] = plan
                 work[k] = (gi, group, grads, sig, plan)
         self._state_dicts = list(self.state.values())
-        for gi, group, grads, _, plan in work:
-            self._run_plan(group, plan, grads, grad_scale, found_inf)
-        return loss
+        return [(group, grads, plan) for _, group, grads, _, plan in work]
 
     def _build_plan(self, gi: int, group: dict[str, Any], grads: list[Tensor | None], sig: list) -> GroupPlan:
         """Group ``gi``'s launches (see [Note: launch plans]); validates and initialises states."""
@@ -329,29 +346,31 @@ class FusedAdam(torch.optim.Optimizer):
     def _run_plan(self, group: dict[str, Any], plan: GroupPlan, grads: list[Tensor | None],
                   grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
         """The launches of one group: device ops and kernel calls only, no host read-back."""
-        beta1, beta2 = (_scalar(b) for b in group["betas"])
-        adamw = bool(group["decoupled_weight_decay"])
         for L in plan.launches:
-            device, steps = L.device, L.steps
-            if found_inf is not None:   # torch's fused path: +1, then -found_inf, on the device
-                steps.add_(1.0 - found_inf.to(steps.device, torch.float32).reshape(()))
-            else:
-                steps.add_(1.0)
-            coeffs = compute_coeffs(steps, scalar_lr(group["lr"]), beta1, beta2, group["weight_decay"], adamw,
-                                    device=device)
-            gs = None
-            if grad_scale is not None:
-                gs = grad_scale.to(device, torch.float32).reshape(1).reciprocal()
-            fi_dev = None if found_inf is None else found_inf.to(device, torch.float32).reshape(1)
-            fn = fused_adam_ref if L.ref_only else backends.get(self._resolved.get(device)
-                                                                 or self._resolve(device))
-            fn(L.masters, plan.grads_for(L, grads), L.exp_avgs, L.exp_avg_sqs,
-               L.max_exp_avg_sqs if group["amsgrad"] else None,
-               L.params16 if L.p16_dtype is not None else None, coeffs,
-               beta1=beta1, beta2=beta2, eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-               adamw=adamw, maximize=bool(group["maximize"]), grad_scale=gs, found_inf=fi_dev)
+            name = "reference" if L.ref_only else (self._resolved.get(L.device) or self._resolve(L.device))
+            self._launch(group, backends.get(name), _advance(L.steps, found_inf), L.masters,
+                         plan.grads_for(L, grads), L.exp_avgs, L.exp_avg_sqs, L.max_exp_avg_sqs,
+                         L.params16 if L.p16_dtype is not None else None, grad_scale, found_inf)
         for dst, tmp in plan.writebacks:
             dst.copy_(tmp)
+
+    @staticmethod
+    def _launch(group: dict[str, Any], fn: Callable[..., None], steps: Tensor, masters: list[Tensor],
+                grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+                max_exp_avg_sqs: list[Tensor], params16: list[Tensor] | None, grad_scale: Tensor | None,
+                found_inf: Tensor | None) -> None:
+        """One kernel call ``fn`` (the fused-Adam contract) with the coefficients of ``steps``, the
+        launch's (already advanced) step counters."""
+        device = steps.device
+        beta1, beta2 = (_scalar(b) for b in group["betas"])
+        adamw = bool(group["decoupled_weight_decay"])
+        coeffs = compute_coeffs(steps, scalar_lr(group["lr"]), beta1, beta2, group["weight_decay"], adamw,
+                                device=device)
+        gs = None if grad_scale is None else grad_scale.to(device, torch.float32).reshape(1).reciprocal()
+        fi_dev = None if found_inf is None else found_inf.to(device, torch.float32).reshape(1)
+        fn(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if group["amsgrad"] else None, params16,
+           coeffs, beta1=beta1, beta2=beta2, eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+           adamw=adamw, maximize=bool(group["maximize"]), grad_scale=gs, found_inf=fi_dev)
 
     def _resolve(self, device: torch.device) -> str:
         self._resolved[device] = backends.resolve(self._backend_request, device)

@@ -195,6 +195,9 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
         if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
             err(f"--simulate: --gpus {args.gpus} is not a whole number of nodes of --gpus-per-node "
                 f"{args.gpus_per_node}")
+        if args.shard_size is not None and args.gpus % args.shard_size:
+            err(f"--simulate: --shard-size {args.shard_size} must divide --gpus {args.gpus} (a (replicate, shard) "
+                f"mesh of shape ({args.gpus} / S, S))")
     stages = [0, 1, 2, 3] if args.stage == "all" else [int(args.stage)]
     return dict(psi=psi, shape=shape, activations=act, stages=stages,
                 dp=args.gpus // (args.tp * args.pp), gpu_mem=args.gpu_mem * M.GB)

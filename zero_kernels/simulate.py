@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser, pos_int, pos_float) -> None:
     s.add_argument("--inter-bw", type=pos_float, default=25.0, metavar="GB/s",
                    help="per-GPU bandwidth across nodes (InfiniBand: 200 Gb/s = 25 GB/s)")
     s.add_argument("--tflops", type=pos_float, default=150.0, help="achieved TFLOP/s per GPU")
+    s.add_argument("--shard-size", type=pos_int, metavar="S",
+                   help="hybrid sharding: ranks per shard group, the S of a (replicate, shard) = (R, S) mesh "
+                        "(default: --gpus-per-node)")
     s.add_argument("--tokens", type=pos_int, metavar="N",
                    help="tokens per GPU per step (default: --batch x --seq, else 4096)")
 
@@ -31,7 +34,9 @@ def configurations(args) -> list[Options]:
     opts = [Options(0, checkpointing=ck), Options(1, checkpointing=ck), Options(2, checkpointing=ck),
             Options(3, checkpointing=ck)]
     if args.gpus > args.gpus_per_node:   # the multi-node options only matter across nodes
-        opts += [Options(3, hybrid=True, checkpointing=ck), Options(3, hpz=True, checkpointing=ck),
+        shard = getattr(args, "shard_size", None)
+        opts += [Options(2, hybrid=True, shard_size=shard, checkpointing=ck),
+                 Options(3, hybrid=True, shard_size=shard, checkpointing=ck), Options(3, hpz=True, checkpointing=ck),
                  Options(3, quantize_weights=True, checkpointing=ck),
                  Options(3, quantize_grads=True, checkpointing=ck),
                  Options(3, hpz=True, quantize_weights=True, quantize_grads=True, checkpointing=ck)]

@@ -28,8 +28,11 @@ inside one node is ``intra``. Its time is ``latency x log2(k) + bytes / bandwidt
   intra-node (costs Ψ b / gpus_per_node bytes of memory per GPU, not modelled here).
 - qgZ: the gradient reduce-scatter sends int4 codes plus scales (0.5 + 4/256 B/element), reduced
   hierarchically (inside the node first, then across nodes) with fp32 accumulation.
-- hybrid (FSDP2's HSDP, DeepSpeed MiCS): every collective inside a shard group of one node, then an
-  all-reduce of each rank's gradient shard across the replicas (the only inter-node traffic).
+- hybrid (FSDP2's HSDP, DeepSpeed MiCS; ``ZeroAdamW(mesh=)`` of shape (R, S), [Note: hybrid sharding]
+  in zero/mesh.py): every collective inside a shard group of S ranks (``shard_size``; default one
+  node), then an all-reduce of each rank's gradient shard (Ψ/S elements) across the R = n/S replicas.
+  With S = one node that all-reduce is the only inter-node traffic; S = n is plain ZeRO, S = 1 is DDP's
+  all-reduce.
 The paper's baseline ZeRO-3 moves 3M across nodes per step and ZeRO++ 0.75M (M = model bytes in
 fp16): a 4x reduction, checked in tests/test_step_time.py.
 
@@ -99,6 +102,7 @@ class Options:
     overlap_param_gather: bool = False  # stages 1-2: the param all-gather hides behind the next forward
     param_bytes: int = 2
     checkpointing: bool = False
+    shard_size: int | None = None      # hybrid: ranks per shard group S (None: one node)
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -109,12 +113,18 @@ class Options:
             raise ValueError("hpz (secondary weight partition) applies to stage 3's backward all-gather only")
         if self.hpz and self.hybrid:
             raise ValueError("hpz and hybrid both keep gathers inside a node: choose one")
+        if self.shard_size is not None and (not self.hybrid or not isinstance(self.shard_size, int)
+                                            or isinstance(self.shard_size, bool) or self.shard_size < 1):
+            raise ValueError(f"Options.shard_size must be a positive int and needs hybrid=True, got "
+                             f"{self.shard_size!r} (hybrid={self.hybrid})")
 
     @property
     def name(self) -> str:
         base = "DDP" if self.stage == 0 else f"ZeRO-{self.stage}"
         extra = [x for x, on in (("hybrid", self.hybrid), ("hpZ", self.hpz), ("qwZ", self.quantize_weights),
                                  ("qgZ", self.quantize_grads)) if on]
+        if self.shard_size is not None:
+            extra[0] = f"hybrid S={self.shard_size}"
         return base + (" + " + " + ".join(extra) if extra else "")
 
 
@@ -140,6 +150,17 @@ def _link(group: int, cluster: Cluster) -> str:
     return "intra" if group <= cluster.node_size else "inter"
 
 
+def _shard_size(cluster: Cluster, opt: Options) -> int:
+    """Ranks per shard group: all of them, or (hybrid) ``shard_size`` / one node."""
+    if not opt.hybrid:
+        return cluster.gpus
+    s = opt.shard_size if opt.shard_size is not None else cluster.node_size
+    if s > cluster.gpus or cluster.gpus % s:
+        raise ValueError(f"Options.shard_size={s} must divide the {cluster.gpus} GPUs (mesh shape (R, S) "
+                         f"with R * S = {cluster.gpus})")
+    return s
+
+
 def collectives(psi: float, cluster: Cluster, opt: Options) -> list[Collective]:
     """Every collective one step issues, per rank ([Note: collectives of one step])."""
     n, b = cluster.gpus, float(opt.param_bytes)
@@ -147,7 +168,7 @@ def collectives(psi: float, cluster: Cluster, opt: Options) -> list[Collective]:
         return []
     if opt.stage == 0:
         return [Collective("grad all-reduce", "all_reduce", "backward", psi, b, n, _link(n, cluster))]
-    shard = cluster.node_size if opt.hybrid else n
+    shard = _shard_size(cluster, opt)
     replicas = n // shard
     w_bytes = QWZ_BYTES if opt.quantize_weights else b
     g_bytes = QGZ_BYTES if opt.quantize_grads else b
@@ -165,7 +186,7 @@ def collectives(psi: float, cluster: Cluster, opt: Options) -> list[Collective]:
                               _link(shard, cluster)))
     if replicas > 1:   # hybrid: each rank's reduced gradient shard, all-reduced across the replicas
         out.append(Collective("grad shard all-reduce (replicas)", "all_reduce", "backward", psi / shard, b,
-                              replicas, "inter"))
+                              replicas, "intra" if n <= cluster.node_size else "inter"))
     return out
 
 

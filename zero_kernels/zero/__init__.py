@@ -5,6 +5,8 @@ One concept per file (after FSDP2's ``_fully_shard/``); the ``[Note: ...]`` bloc
     config.py       ZeroConfig, validated before the model is touched ([Note: construction order])
     params.py       reading the model: names, tied parameters, param groups
     agreement.py    every rank builds the same optimizer ([Note: rank agreement])
+    mesh.py         shard and replicate groups of a 2-D mesh ([Note: hybrid sharding])
+    qwz.py, qgz.py  ZeRO++ int8 parameter all-gather / gradient reduce-scatter ([Note: quantized ...])
     strategy.py     stages 1 and 2 ([Note: stage strategies])
     buckets.py      FlatBucket = storage + OptimState + ReduceState ([Note: bucket objects])
     flat.py         flatten / unflatten dispatch: Triton or torch ([Note: views vs copies])

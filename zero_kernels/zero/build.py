@@ -13,6 +13,7 @@ from ..layout import Layout, ParamInfo, build_layout, dtype_name
 from . import collectives as C
 from .agreement import check_same_everywhere, join_barrier, signature
 from .config import ZeroConfig
+from .mesh import ZeroMesh, broadcast_from_first
 from .params import HPARAM_KEYS, ModelParams, model_error, plain, read_model, resolve_groups
 from .timeouts import timeout_scope
 
@@ -29,11 +30,13 @@ class Plan(NamedTuple):
     layout: Layout
     units: Any                      # stage 3: [(name, module)], else None
     model: nn.Module
-    group: Any                      # the process group (None: the default group)
+    group: Any                      # the ZeRO (shard) process group (None: the default group)
+    mesh: ZeroMesh                  # shard and replicate groups ([Note: hybrid sharding])
 
 
-def plan(model: nn.Module, cfg: ZeroConfig, defaults: dict, param_groups, process_group, strategy_cls) -> Plan:
+def plan(model: nn.Module, cfg: ZeroConfig, defaults: dict, param_groups, mesh: ZeroMesh, strategy_cls) -> Plan:
     """Everything up to (not including) the first change to the model; raises on every rank alike."""
+    process_group = mesh.shard_group
     if process_group is not None and not torch.distributed.is_initialized():
         raise ValueError("process_group was given but torch.distributed is not initialized")
     world, rank = C.group_size(process_group), C.group_rank(process_group)
@@ -51,17 +54,18 @@ def plan(model: nn.Module, cfg: ZeroConfig, defaults: dict, param_groups, proces
         except ValueError as e:
             error = str(e)
     hp = [[plain({**defaults, **g}[k]) for k in HPARAM_KEYS] for g in groups]
-    if cfg.timeout is not None and world > 1:
-        join_barrier(process_group, cfg.timeout, world)
-    check_same_everywhere(signature(mp.uniq, groups, mp.first_name, cfg.agreement_key(), hp, error),
-                          process_group, world, rank)
+    sig = signature(mp.uniq, groups, mp.first_name, cfg.agreement_key(), hp, error)
+    for g in mesh.groups:           # shard group, then replicate group: every rank of the mesh
+        if cfg.timeout is not None and C.group_size(g) > 1:
+            join_barrier(g, cfg.timeout, C.group_size(g))
+        check_same_everywhere(sig, g, C.group_size(g), C.group_rank(g))
     assigned = strategy_cls.assign_units(model, mp.trainable, cfg.wrap)     # [Note: stage-3 units]
     units, unit_of = assigned if assigned is not None else (None, None)
     infos = [ParamInfo(n, tuple(p.shape), dtype_name(cfg.param_dtype or p.dtype), group_of[id(p)],
                        tuple(mp.aliases[id(p)])) for n, p in mp.trainable]
     layout = build_layout(infos, world, cfg.bucket_size, cfg.alignment_bytes,
                           unit_of=(lambda i: unit_of[i]) if unit_of is not None else None)
-    return Plan(mp, groups, world, rank, device, backend, layout, units, model, process_group)
+    return Plan(mp, groups, world, rank, device, backend, layout, units, model, process_group, mesh)
 
 
 @torch.no_grad()
@@ -72,7 +76,7 @@ def bind(p: Plan, cfg: ZeroConfig, strategy_cls, amsgrad: bool) -> list:
     First every rank takes group rank 0's parameters and buffers (as DDP does at construction): ranks
     that initialised differently (another seed) would otherwise train a mixture of their models."""
     with timeout_scope(cfg.timeout, p.group):
-        C.broadcast_from_first([x.data for _, x in p.params.uniq] + [b for b in p.model.buffers()], p.group)
+        broadcast_from_first([x.data for _, x in p.params.uniq] + [b for b in p.model.buffers()], p.mesh)
     by_name = dict(p.params.trainable)
     buckets = []
     for bs in p.layout.buckets:

@@ -50,6 +50,8 @@ class ZeroConfig:
     wrap: Any = None
     gather_cache: bool = True
     overlap_param_gather: bool = False
+    quantize_weights: bool = False      # ZeRO++ qwZ ([Note: quantized weight all-gather], qwz.py)
+    quantize_grads: bool = False        # ZeRO++ qgZ ([Note: quantized gradient reduce-scatter], qgz.py)
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3) or isinstance(self.stage, bool):
@@ -61,6 +63,11 @@ class ZeroConfig:
         _check_bool("overlap_param_gather", self.overlap_param_gather)
         _check_bool("overlap_comm", self.overlap_comm)
         _check_bool("reshard_after_forward", self.reshard_after_forward)
+        _check_bool("quantize_weights", self.quantize_weights)
+        _check_bool("quantize_grads", self.quantize_grads)
+        if self.quantize_weights and self.stage != 3:
+            raise ValueError("quantize_weights=True (ZeRO++ qwZ) quantizes stage 3's parameter all-gathers: "
+                             f"use stage=3 (got stage={self.stage}); stages 1-2 gather exact parameters")
         if self.overlap_param_gather and self.stage == 3:
             raise ValueError("overlap_param_gather is for stages 1 and 2: stage 3 gathers parameters in "
                              "forward already (see prefetch=)")
@@ -85,7 +92,8 @@ class ZeroConfig:
 
     def agreement_key(self) -> tuple:
         """What every rank must agree on (plain data for the cross-rank signature)."""
-        return (self.stage, self.bucket_size, str(self.param_dtype), str(self.reduce_dtype), self.alignment_bytes)
+        key = (self.stage, self.bucket_size, str(self.param_dtype), str(self.reduce_dtype), self.alignment_bytes)
+        return key + tuple(k for k in ("quantize_weights", "quantize_grads") if getattr(self, k))
 
 
 def _check_wrap(wrap) -> None:

@@ -50,6 +50,7 @@ from torch.autograd import Variable
 
 from . import collectives as C
 from .buckets import FlatBucket
+from .mesh import ZeroMesh, reduce_scatter
 
 __all__ = ["Stage2Reducer"]
 
@@ -61,9 +62,11 @@ def _region(b: FlatBucket, buf: torch.Tensor, li: int) -> torch.Tensor:
 
 class Stage2Reducer:
     def __init__(self, buckets: list[FlatBucket], group, reduce_dtype: torch.dtype, overlap_comm: bool,
-                 mark_grad: Callable[[int, int], None], pool_keep: int = 0, timeout=None):
+                 mark_grad: Callable[[int, int], None], pool_keep: int = 0, timeout=None,
+                 mesh: ZeroMesh | None = None):
         self.buckets = buckets
         self.group = group
+        self.mesh = mesh if mesh is not None else ZeroMesh(group, None)     # [Note: hybrid sharding]
         self.reduce_dtype = reduce_dtype
         self.overlap_comm = overlap_comm
         self.mark_grad = mark_grad          # (bucket, local index) -> records "this param had a grad"
@@ -198,7 +201,7 @@ class Stage2Reducer:
                 buf = b.reduce.late_acc if b.reduce.late_acc is not None else torch.zeros(
                     b.spec.padded_numel, dtype=self.reduce_dtype, device=b.device)
                 out = torch.empty(b.spec.shard_numel, dtype=self.reduce_dtype, device=b.device)
-                C.wait(C.reduce_scatter_bucket(buf, out, self.group, async_op=False, tag=("late", b.index)))
+                C.wait(reduce_scatter(buf, out, self.mesh, async_op=False, tag=("late", b.index)))
                 if b.reduce.grad_slice is None:
                     b.reduce.grad_slice = out
                 else:
@@ -235,7 +238,7 @@ class Stage2Reducer:
         else:                               # accumulate over backwards: reduce, then add on wait
             out = torch.empty_like(b.reduce.grad_slice)
             b.reduce.pending_add = out
-        b.reduce.pending = C.reduce_scatter_bucket(b.reduce.acc, out, self.group, async_op=True, tag=b.index)
+        b.reduce.pending = reduce_scatter(b.reduce.acc, out, self.mesh, async_op=True, tag=b.index)
         b.reduce.launched = True
         b.reduce.acc_unlaunched = False
         self.inflight.append(b)

@@ -14,6 +14,7 @@ from ..hparams import validate_hparams
 from .buckets import check_bound
 from .build import bind, plan
 from .config import ZeroConfig
+from .mesh import resolve_mesh
 from .scaling import StepScaling
 from .stage3 import Stage3
 from .state_dict import apply_shard, check_shard, full_model_state_dict, shard_state_dict
@@ -28,31 +29,35 @@ STRATEGIES = {1: Stage1, 2: Stage2, 3: Stage3}
 
 
 class ZeroAdamW(torch.optim.Optimizer):
-    """AdamW with ZeRO-1/2/3 sharding over ``process_group``. Takes the module (it needs parameter
-    names for the layout and hooks for stages 2-3). Trainable parameters become views into flat
+    """AdamW with ZeRO-1/2/3 sharding over ``process_group``, or over the "shard" dimension of a 2-D
+    ``mesh`` with replication across its "replicate" dimension ([Note: hybrid sharding]). Takes the
+    module (it needs parameter names for the layout and hooks for stages 2-3). Trainable parameters become views into flat
     per-bucket buffers; frozen ones are left alone (cast to ``param_dtype`` when one is given)."""
     adamw = True                        # decoupled weight decay (ZeroAdam: L2 added to the gradient)
 
     def __init__(self, model: nn.Module, stage: int = 2, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float | None = None, amsgrad: bool = False, maximize: bool = False, *,
-                 param_groups: list[dict] | None = None, process_group=None, **options):
+                 param_groups: list[dict] | None = None, process_group=None, mesh=None, **options):
         # ---- 1. arguments (identical on every rank: raise before any collective or change) ------
         if not isinstance(model, nn.Module):
             raise TypeError(f"{type(self).__name__} takes the module itself (it needs parameter names "
                             f"and gradient hooks), got {type(model).__name__}: pass `model`, not "
                             "`model.parameters()`; per-group settings go in param_groups=[...]")
         cfg = ZeroConfig(stage=stage, **options)
+        zmesh = resolve_mesh(mesh, process_group)._replace(quantize_grads=cfg.quantize_grads)  # mesh.py
+        process_group = zmesh.shard_group
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (list, tuple)) else betas, eps=eps,
                         weight_decay=(0.01 if self.adamw else 0.0) if weight_decay is None else weight_decay,
                         amsgrad=amsgrad, maximize=maximize)
         validate_hparams(lr, betas, eps, defaults["weight_decay"])
         strategy_cls = STRATEGIES[cfg.stage]
         # ---- 2.-4. read the model (no change), agree with every rank, lay out ----------------------
-        plan_ = plan(model, cfg, defaults, param_groups, process_group, strategy_cls)
+        plan_ = plan(model, cfg, defaults, param_groups, zmesh, strategy_cls)
         super().__init__(plan_.groups, defaults)
         self.module, self.config, self.stage, self.layout = model, cfg, cfg.stage, plan_.layout
         self.process_group, self.world_size, self.rank = process_group, plan_.world, plan_.rank
+        self.mesh = zmesh                               # shard_group (= process_group) and replicate_group
         self.timeout = cfg.timeout                      # [Note: collective timeouts]
         self.backend, self._fused, self._device = plan_.backend, backends.get(plan_.backend), plan_.device
         # ---- 5. bind: parameters become views of the buckets, hooks registered ----------------------
@@ -60,10 +65,10 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._frozen = [p for _, p in plan_.params.frozen]
         self.steps = [0] * len(self.layout.params)      # per parameter, like torch's state["step"]
         ctx = StrategyContext(model, self.buckets, self.layout, self._frozen, cfg, process_group, self.rank,
-                              self.world_size)
+                              self.world_size, zmesh)
         self.strategy = strategy_cls(ctx, plan_.units)
         self.scaling = StepScaling(cfg.loss_scale, cfg.growth_interval, process_group, self.rank, self.world_size,
-                                   cfg.stage, self._device, id(self))
+                                   cfg.stage, self._device, id(self), zmesh)
         self._step_supports_amp_scaling = True          # torch.amp.GradScaler protocol ([Note: non-finite gradients])
         self._clip_coef: Tensor | None = None
         self._active_cache: Tensor | None = None
@@ -224,8 +229,10 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     @bounded_by_timeout
     def save_checkpoint(self, path) -> str:
-        """Collective: every rank writes its shard of a resharding checkpoint under ``path``."""
-        return checkpoint.save_checkpoint(self, path)
+        """Collective: every rank writes its shard of a resharding checkpoint under ``path`` (with a 2-D
+        mesh, the first replica's ranks write; [Note: hybrid sharding])."""
+        return self.mesh.on_first_replica(lambda: checkpoint.save_checkpoint(self, path),
+                                          checkpoint.CheckpointError)
 
     @bounded_by_timeout
     def load_checkpoint(self, path, verify: bool = True) -> None:

@@ -22,16 +22,16 @@ from torch import Tensor
 from . import collectives as C
 from .buckets import FlatBucket
 from .flat import flatten
+from .mesh import ZeroMesh, reduce_scatter
 
 __all__ = ["Stage1Reducer"]
 
 
 class Stage1Reducer:
-    def __init__(self, buckets: list[FlatBucket], group, reduce_dtype: torch.dtype, overlap_comm: bool):
-        self.buckets = buckets
-        self.group = group
-        self.reduce_dtype = reduce_dtype
-        self.overlap_comm = overlap_comm
+    def __init__(self, buckets: list[FlatBucket], group, reduce_dtype: torch.dtype, overlap_comm: bool,
+                 mesh: ZeroMesh | None = None):
+        self.buckets, self.group, self.reduce_dtype, self.overlap_comm = buckets, group, reduce_dtype, overlap_comm
+        self.mesh = mesh if mesh is not None else ZeroMesh(group, None)     # [Note: hybrid sharding]
         self.world = C.group_size(group)
         self.in_place = C.reduces_in_place(group)
         self.launched = False                   # reductions of this step issued
@@ -72,8 +72,8 @@ class Stage1Reducer:
             scratch = self._kept(self._scratch, b, (self.world - 1) * b.spec.shard_numel) \
                 if self.world > 1 else None
             b.reduce.grad_slice = out
-            b.reduce.pending = C.reduce_scatter_bucket(send, out, self.group, async_op=self.overlap_comm,
-                                                       tag=b.index, scratch=scratch)
+            b.reduce.pending = reduce_scatter(send, out, self.mesh, async_op=self.overlap_comm, tag=b.index,
+                                              scratch=scratch)
             b.reduce.acc = send
         self.launched = True
 

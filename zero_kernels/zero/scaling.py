@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import collectives as C
+from .mesh import ZeroMesh, all_reduce_everywhere
 
 __all__ = ["DynamicLossScaler", "make_scaler", "StepScaling"]
 
@@ -126,11 +126,12 @@ class StepScaling:
     """The loss-scale state of one ZeroAdamW and its non-finite-gradient decision per step."""
 
     def __init__(self, loss_scale, growth_interval: int, group, rank: int, world: int, stage: int,
-                 device: torch.device, owner_id: int):
+                 device: torch.device, owner_id: int, mesh: ZeroMesh | None = None):
         self.loss_scaler, self.grad_scaler = make_scaler(loss_scale, growth_interval)
         self.owner_id = owner_id            # id() of the optimizer: GradScaler's key for its record
         self.group, self.rank, self.world, self.stage, self.device = group, rank, world, stage, device
         self.skipped_steps = 0
+        self.mesh = mesh if mesh is not None else ZeroMesh(group, None)
 
     def current_scale(self) -> float | None:
         """The loss scale the reduced slices currently carry (None: unscaled)."""
@@ -161,7 +162,7 @@ class StepScaling:
         if found_inf is not None:
             flag = torch.maximum(flag, torch.as_tensor(found_inf, dtype=torch.float32).reshape(()).to(flag.device))
         flag = flag.reshape(1).clone()
-        C.all_reduce_tensor(flag, op=dist.ReduceOp.MAX, group=self.group)
+        all_reduce_everywhere(flag, dist.ReduceOp.MAX, self.mesh)     # a replica's GradScaler flag too
         found = bool(flag.item() != 0)
         inv = None
         if found_inf is not None:

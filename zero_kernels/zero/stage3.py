@@ -14,8 +14,9 @@ The root unit, and the last unit of the recorded forward order, are not freed af
 that needs a backward: they are the first to get gradients (FSDP2 keeps its root the same way);
 this saves one all-gather per step. When no backward follows (eval mode, grad off, or the graph
 dropped) they are given back ([Note: forward without backward] in unit_hold.py). A forward that
-runs *inside* backward (activation checkpointing recomputation, ``torch._C._current_graph_task_id() != -1``) gathers and never frees:
-the unit is freed when its gradients are complete.
+runs *inside* backward (activation checkpointing recomputation,
+``torch._C._current_graph_task_id() != -1``) gathers and never frees: the unit is freed when its
+gradients are complete.
 Backward: the first output gradient of a unit (per call: a unit called twice has hooks on both
 calls' outputs; the hook is idempotent) re-gathers it and prefetches the next ``prefetch`` units of
 the backward sequence (the reverse forward post-order in the first backward, the recorded order
@@ -100,7 +101,8 @@ class Stage3(HookReduced):
 
     @staticmethod
     def new_bucket(layout, index, rank, params, device, amsgrad, config) -> UnitBucket:
-        return UnitBucket(layout, index, rank, params, device, amsgrad, use_gather_cache=config.gather_cache)
+        return UnitBucket(layout, index, rank, params, device, amsgrad, use_gather_cache=config.gather_cache,
+                          quantize_weights=config.quantize_weights)
 
     def __init__(self, ctx: StrategyContext, units: list[tuple[str, nn.Module]]):
         cfg = ctx.config

@@ -25,6 +25,7 @@ from . import collectives as C
 from .buckets import FlatBucket
 from .gather import ParamGatherer
 from .hooks import Stage2Reducer
+from .mesh import ZeroMesh, all_reduce_everywhere
 from .reduce import Stage1Reducer
 from .report import finish_report, nbytes, state_report
 
@@ -34,9 +35,11 @@ __all__ = ["Stage1", "Stage2", "HookReduced", "StrategyContext"]
 class StrategyContext:
     """What a strategy needs from the optimizer (explicit: strategies read nothing else)."""
 
-    def __init__(self, model, buckets, layout, frozen, config, group, rank: int, world: int):
+    def __init__(self, model, buckets, layout, frozen, config, group, rank: int, world: int,
+                 mesh: ZeroMesh | None = None):
         self.model, self.buckets, self.layout, self.frozen = model, buckets, layout, frozen
         self.config, self.group, self.rank, self.world = config, group, rank, world
+        self.mesh = mesh if mesh is not None else ZeroMesh(group, None)     # [Note: hybrid sharding]
 
     def report(self, rep: dict[str, Any], stage: int, comm_bytes: int) -> dict[str, Any]:
         return finish_report(rep, self.buckets, self.model, self.frozen, stage, self.world, self.layout.numel,
@@ -117,7 +120,8 @@ class Stage1(_GatheredParams):
 
     def __init__(self, ctx: StrategyContext, units=None):
         super().__init__(ctx)
-        self.reducer = Stage1Reducer(ctx.buckets, ctx.group, ctx.config.reduce_dtype, ctx.config.overlap_comm)
+        self.reducer = Stage1Reducer(ctx.buckets, ctx.group, ctx.config.reduce_dtype, ctx.config.overlap_comm,
+                                     ctx.mesh)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -138,7 +142,7 @@ class Stage1(_GatheredParams):
 
     def exchange_flags(self) -> Tensor:
         flags = C.flag_tensor(self.reducer.local_flags(), self.ctx.group)
-        C.all_reduce_tensor(flags, op=dist.ReduceOp.MAX, group=self.ctx.group)
+        all_reduce_everywhere(flags, dist.ReduceOp.MAX, self.ctx.mesh)
         return flags.cpu()
 
     def finish_step(self) -> None:
@@ -157,7 +161,8 @@ class HookReduced:
         self.had_grad = [0] * n         # since the last zero_grad(set_to_none=True)
         self.arrived_step = [0] * n     # in this step's backwards
         self.reducer = reducer_cls(ctx.buckets, ctx.group, ctx.config.reduce_dtype, ctx.config.overlap_comm,
-                                   self.mark_grad, pool_keep=2, timeout=ctx.config.timeout, **reducer_kwargs)
+                                   self.mark_grad, pool_keep=2, timeout=ctx.config.timeout, mesh=ctx.mesh,
+                                   **reducer_kwargs)
         self.reducer.register()
         self.ctx = ctx
 
@@ -195,7 +200,7 @@ class HookReduced:
         late gradients are reduced and next step's expected set is updated (hooks.py, 4)."""
         n, r = len(self.had_grad), self.reducer
         flags = C.flag_tensor(self.had_grad + self.arrived_step + [int(x) for x in r.late], self.ctx.group)
-        C.all_reduce_tensor(flags, op=dist.ReduceOp.MAX, group=self.ctx.group)
+        all_reduce_everywhere(flags, dist.ReduceOp.MAX, self.ctx.mesh)
         flags = flags.cpu()
         active, arrived, late = flags[:n], flags[n:2 * n], flags[2 * n:]
         if bool(arrived.any()):

@@ -26,6 +26,7 @@ from .. import _ext
 from . import collectives as C
 from .buckets import FlatBucket, OptimState, fill_flat, master_from_originals
 from .heap import release_free_heap
+from .qwz import quantized_all_gather
 
 __all__ = ["UnitBucket", "gather_cache_stats", "empty_gather_cache", "cache_module", "FREE", "GATHERING",
            "GATHERED"]
@@ -69,9 +70,11 @@ def empty_gather_cache() -> None:
 class UnitBucket(FlatBucket):
     """A FlatBucket whose full parameter buffer exists only while gathered ([Note: stage-3 storage])."""
 
-    def __init__(self, *args, use_gather_cache: bool = False, **kwargs):
+    def __init__(self, *args, use_gather_cache: bool = False, quantize_weights: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.use_gather_cache = use_gather_cache      # ZeroAdamW(gather_cache=...)
+        # ZeroAdamW(quantize_weights=...): int8 codes on the wire ([Note: quantized weight all-gather])
+        self.all_gather = quantized_all_gather if quantize_weights else C.all_gather_bucket
 
     def bind(self, originals: Sequence[Tensor]) -> None:
         """The binding code of FlatBucket (buckets.py); only the shard stays resident."""
@@ -111,7 +114,7 @@ class UnitBucket(FlatBucket):
         flat = self.param_flat
         flat.untyped_storage().resize_(self.full_bytes)
         flat[self.slice_start:self.slice_end].copy_(self.shard)
-        self.ag = C.all_gather_bucket(flat, rank, group, async_op=async_op, tag=tag)
+        self.ag = self.all_gather(flat, rank, group, async_op=async_op, tag=tag)
         self.gather_state = GATHERING
         return True
 

@@ -1,0 +1,282 @@
+"""torch.compile of a step that calls ``opt.step()``: one graph, no break, the same bits as eager
+([Note: kernels as operators] in zero_kernels/ops.py, [Note: the traced step] in
+zero_kernels/_traced_step.py), and the kernels as ``torch.ops.zero_kernels.*``.
+
+Compiler backends: the ``cpu`` optimizer backend compiles with Inductor (torch.compile's default).
+The ``triton`` backend compiles with ``aot_eager``: here the Triton kernels run in the interpreter
+on CPU tensors (TRITON_INTERPRET=1), and Inductor cannot generate code for a user Triton kernel on
+CPU; ``aot_eager`` traces the same graph (Dynamo, then AOTAutograd's functionalization) and runs
+the operator eagerly, i.e. the interpreted per-tensor kernel. The ``reference`` backend (pure
+torch) compiles with Inductor too.
+"""
+import random
+
+import pytest
+import torch
+
+import zero_kernels as zk
+from zero_kernels import _ext, ops
+from zero_kernels.reference import compute_coeffs, fused_adam_ref
+from conftest import BACKENDS
+
+COMPILER = {"cpu": "inductor", "reference": "inductor", "triton": "aot_eager"}   # see the module docstring
+SHAPES = [(7, 3), (1003,), (0,), (5, 1, 9), (33,)]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from scratch (no cache shared with another optimizer, no recompile limit)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _params(seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in SHAPES]
+
+
+def _grads(params, step, seed, skip=None):
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    for i, p in enumerate(params):
+        grad = (torch.randn(p.shape, generator=g) * (1 + i)).to(p.dtype)
+        p.grad = None if i == skip else grad
+
+
+def _groups(params, variant):
+    """Two groups with different hyper-parameters (and amsgrad in one) for ``variant``."""
+    second = {"params": params[3:], "lr": 3e-3, "weight_decay": 0.0, "amsgrad": variant == "amsgrad_maximize"}
+    return [{"params": params[:3]}, second]
+
+
+VARIANTS = {   # name: (optimizer class, param dtype, hyper-parameters)
+    "adamw_fp32": (zk.FusedAdamW, torch.float32, dict(lr=1e-2, weight_decay=0.1)),
+    "adamw_bf16_master": (zk.FusedAdamW, torch.bfloat16, dict(lr=1e-2, weight_decay=0.1)),
+    "amsgrad_maximize": (zk.FusedAdam, torch.float32, dict(lr=1e-2, weight_decay=0.05, amsgrad=True,
+                                                           maximize=True, betas=(0.8, 0.95))),
+    "tensor_lr": (zk.FusedAdamW, torch.float32, dict(lr=torch.tensor(1e-2), weight_decay=0.1)),
+}
+
+
+def _opt(variant, backend, seed):
+    cls, dtype, hp = VARIANTS[variant]
+    params = _params(seed, dtype)
+    hp = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in hp.items()}
+    return params, cls(_groups(params, variant), backend=backend, **hp)
+
+
+def _graph_ops(gm):
+    return {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+
+
+# ----------------------------------------------------------------------------- operators
+def test_operators_are_registered_with_mutations_declared():
+    for name in ("fused_adam_cpu", "fused_adam_cuda", "fused_adam_triton"):
+        schema = getattr(torch.ops.zero_kernels, name).default._schema
+        written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+        assert written == set(ops.MUTATED), (name, written)
+        assert [a.name for a in schema.arguments][:7] == ["masters", "grads", "exp_avgs", "exp_avg_sqs",
+                                                        "max_exp_avg_sqs", "params16", "coeffs"]
+
+
+def _contract_inputs(seed, amsgrad, p16_dtype):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(1003,), (7, 3), (4097,), (0,), (1,)]
+    masters = [torch.randn(s, generator=g) for s in shapes]
+    grads = [torch.randn(s, generator=g).to(p16_dtype or torch.float32) for s in shapes]
+    exp_avgs = [torch.randn(s, generator=g) * 0.1 for s in shapes]
+    exp_avg_sqs = [torch.rand(s, generator=g) * 0.01 for s in shapes]
+    maxs = [v + torch.rand(s, generator=g) * 0.01 for v, s in zip(exp_avg_sqs, shapes)] if amsgrad else []
+    p16 = [m.to(p16_dtype) for m in masters] if p16_dtype else []
+    steps = torch.tensor([3.0, 1.0, 7.0, 2.0, 5.0])
+    coeffs = compute_coeffs(steps, 1e-2, 0.9, 0.999, 0.1, True)
+    return [masters, grads, exp_avgs, exp_avg_sqs, maxs, p16, coeffs]
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0] != "reference"])
+@pytest.mark.parametrize("amsgrad,p16_dtype", [(False, None), (True, torch.bfloat16), (False, torch.float16)])
+def test_direct_operator_call_matches_reference(backend, amsgrad, p16_dtype):
+    """``torch.ops.zero_kernels.fused_adam_<backend>`` called directly (for triton: the per-tensor
+    kernel the traced op launches) equals the reference bit for bit, grad scale included."""
+    seed = random.randrange(1 << 30)
+    ours, ref = _contract_inputs(seed, amsgrad, p16_dtype), _contract_inputs(seed, amsgrad, p16_dtype)
+    before = [m.clone() for m in ours[0]]
+    gs = torch.tensor([0.5])
+    getattr(torch.ops.zero_kernels, f"fused_adam_{backend}")(*ours, 0.9, 0.999, 1e-8, 0.1, True, False, gs, None)
+    fused_adam_ref(*ref[:4], ref[4] or None, ref[5] or None, ref[6], beta1=0.9, beta2=0.999, eps=1e-8,
+                   weight_decay=0.1, adamw=True, maximize=False, grad_scale=gs)
+    assert any(not torch.equal(a, b) for a, b in zip(ours[0], before)), "the call changed nothing"
+    for lst_ours, lst_ref in zip(ours[:6], ref[:6]):
+        for a, b in zip(lst_ours, lst_ref):
+            assert torch.equal(a, b), f"seed {seed}: max diff {(a.float() - b.float()).abs().max()}"
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0] != "reference"])
+def test_operator_found_inf_writes_nothing(backend):
+    ours = _contract_inputs(1, True, torch.bfloat16)
+    before = [[t.clone() for t in lst] for lst in ours[:6]]
+    getattr(torch.ops.zero_kernels, f"fused_adam_{backend}")(*ours, 0.9, 0.999, 1e-8, 0.1, True, False, None,
+                                                             torch.ones(1))
+    assert all(torch.equal(a, b) for la, lb in zip(ours[:6], before) for a, b in zip(la, lb))
+
+
+# ----------------------------------------------------------------------------- graphs and breaks
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_step_is_one_graph_without_breaks(backend):
+    params, opt = _opt("adamw_bf16_master", backend, seed=3)
+    _grads(params, 0, seed=3)
+    explanation = torch._dynamo.explain(lambda: opt.step())()
+    assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    _grads(params, 1, seed=3)
+    torch.compile(lambda: opt.step(), backend=record, fullgraph=True)()
+    assert len(graphs) == 1
+    if backend != "reference":   # the kernel is in the graph as the operator, one call per launch
+        calls = [n for n in graphs[0].graph.nodes
+                 if n.op == "call_function" and str(n.target).startswith(f"zero_kernels.fused_adam_{backend}")]
+        assert len(calls) == 2, _graph_ops(graphs[0])   # two groups, one launch each
+
+
+def test_explain_counts_a_break_on_a_bare_extension_call():
+    """Negative control: calling the pybind function (what step() did before the operators) breaks
+    the graph, and explain counts it; so the 0 above is a measurement."""
+    if _ext.cpu_module() is None:
+        pytest.skip(f"the C++ extension is unavailable: {_ext.load_error()}")
+    args = _contract_inputs(0, False, None)
+
+    def fn():
+        c = args[6] * 1.0
+        _ext.cpu_module().fused_adam_cpu(*args[:6], c, 0.9, 0.999, 1e-8, 0.1, True, False, None, None)
+        return c + 1
+
+    assert torch._dynamo.explain(fn)().graph_break_count >= 1
+
+
+# ----------------------------------------------------------------------------- bits
+def _run(variant, backend, compiled, steps=4, seed=11):
+    """``steps`` steps (one eager first step when compiled: state created eagerly, then traced),
+    the second group's first parameter without a gradient at step 2."""
+    params, opt = _opt(variant, backend, seed)
+    fn = (lambda: opt.step())
+    if compiled:
+        fn = torch.compile(fn, backend=COMPILER[backend], fullgraph=True)
+    for s in range(steps):
+        _grads(params, s, seed, skip=3 if s == 2 else None)
+        opt.step() if (compiled and s == 0) else fn()
+    return params, opt
+
+
+# Every variant on the kernels; the reference backend (pure torch, not a kernel) on one.
+_BITWISE = [pytest.param(b.values[0], v, marks=b.marks, id=f"{b.values[0]}-{v}") for b in BACKENDS
+            for v in VARIANTS if b.values[0] != "reference" or v == "adamw_fp32"]
+
+
+@pytest.mark.parametrize("backend,variant", _BITWISE)
+def test_compiled_step_matches_eager_bitwise(backend, variant):
+    pe, oe = _run(variant, backend, compiled=False)
+    pc, oc = _run(variant, backend, compiled=True)
+    for i, (a, b) in enumerate(zip(pe, pc)):
+        assert torch.equal(a, b), f"param {i}: max diff {(a.float() - b.float()).abs().max()}"
+        se, sc = oe.state[a], oc.state[b]
+        assert se.keys() == sc.keys()
+        for k in se:
+            assert torch.equal(se[k], sc[k]), f"param {i} state {k!r}"
+    assert float(oc.state[pc[3]]["step"]) == 3.0 and float(oc.state[pc[0]]["step"]) == 4.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_step_matches_torch_adamw(backend):
+    """The compiled step against torch.optim.AdamW (eager) on the same inputs."""
+    pc, _ = _run("adamw_fp32", backend, compiled=True)
+    pt = _params(11, torch.float32)
+    ot = torch.optim.AdamW(_groups(pt, "adamw_fp32"), lr=1e-2, weight_decay=0.1)
+    for s in range(4):
+        _grads(pt, s, 11, skip=3 if s == 2 else None)
+        ot.step()
+    for a, b in zip(pc, pt):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(pc[1], _params(11, torch.float32)[1]), "the compiled steps changed nothing"
+
+
+def test_compiled_step_refuses_tensor_betas():
+    params, opt = _opt("adamw_fp32", "cpu" if _ext.cpu_module() is not None else "reference", seed=5)
+    opt.param_groups[0]["betas"] = (torch.tensor(0.9), torch.tensor(0.999))
+    _grads(params, 0, 5)
+    with pytest.raises(Exception, match="tensor betas"):
+        torch.compile(lambda: opt.step(), backend="eager", fullgraph=True)()
+    assert len(opt.state) == 0, "raised after creating states"
+
+
+def _train_step(opt, params, scale, found_inf):
+    """What a training loop compiles around the optimizer: a GradScaler-style step (loss scale
+    and found_inf tensors), then the gradients zeroed in place (not with ``opt.zero_grad``: torch
+    marks ``Optimizer.zero_grad`` as not traceable, for torch.optim.AdamW as for us). No gradient
+    clipping: Inductor's norm reduction differs from eager's in the last bits, which would hide
+    what this test compares."""
+    opt.step(grad_scale=scale, found_inf=found_inf)
+    torch._foreach_zero_([p.grad for p in params])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_training_step_with_scaler_inputs(backend):
+    """Counts (one graph, no break) and bits against the same function run eagerly, over steps
+    where found_inf skips one step (nothing written, counters not advanced)."""
+    runs = []
+    for compiled in (False, True):
+        params, opt = _opt("adamw_bf16_master", backend, seed=21)
+        fn = _train_step
+        if compiled:
+            _grads(params, 0, 21)
+            explanation = torch._dynamo.explain(_train_step)(opt, params, torch.tensor(8.0), torch.tensor(0.0))
+            assert explanation.graph_count == 1 and explanation.graph_break_count == 0, explanation.break_reasons
+            fn = torch.compile(_train_step, backend=COMPILER[backend], fullgraph=True)
+        else:
+            _grads(params, 0, 21)
+            _train_step(opt, params, torch.tensor(8.0), torch.tensor(0.0))
+        for s, inf in zip(range(1, 5), (0.0, 1.0, 0.0, 0.0)):
+            _grads(params, s, 21)
+            fn(opt, params, torch.tensor(8.0), torch.tensor(inf))
+        assert all(p.grad is not None and not p.grad.any() for p in params)
+        runs.append((params, opt))
+    (pe, oe), (pc, oc) = runs
+    for i, (a, b) in enumerate(zip(pe, pc)):
+        assert torch.equal(a, b), f"param {i}"
+        for k in oe.state[a]:
+            assert torch.equal(oe.state[a][k], oc.state[b][k]), f"param {i} state {k!r}"
+    assert float(oc.state[pc[0]]["step"]) == 4.0   # 5 steps, one skipped by found_inf
+
+
+@pytest.mark.parametrize("lr_kind", ["float", "tensor"])
+def test_compiled_step_follows_lr_changes(lr_kind):
+    """A scheduler changing lr between compiled steps: a tensor lr is a graph input (one graph for
+    every value); a float lr is a guarded constant until it changes, then Dynamo recompiles once
+    with it as an input (automatic dynamic). The bits follow eager either way."""
+    backend = "cpu" if _ext.cpu_module() is not None else "reference"
+    lrs = [1e-2, 5e-3, 2e-3, 2e-3, 1e-3]
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    runs = []
+    for compiled in (False, True):
+        params = _params(31, torch.float32)
+        lr = torch.tensor(lrs[0]) if lr_kind == "tensor" else lrs[0]
+        opt = zk.FusedAdamW(params, lr=lr, weight_decay=0.1, backend=backend)
+        fn = torch.compile(lambda: opt.step(), backend=record, fullgraph=True) if compiled else opt.step
+        for s, value in enumerate(lrs):
+            if lr_kind == "tensor":
+                opt.param_groups[0]["lr"].fill_(value)
+            else:
+                opt.param_groups[0]["lr"] = value
+            _grads(params, s, 31)
+            fn()
+        runs.append(params)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert len(graphs) == (1 if lr_kind == "tensor" else 2)
