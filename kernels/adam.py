@@ -48,7 +48,7 @@ _MASTER, _GRAD, _EXP_AVG, _EXP_AVG_SQ, _MAX_SQ, _P16 = range(6)
 
 
 @triton.jit
-def _adam_update(p, g, m, v, vmax, step_size, bc2_sqrt, decay, grad_scale,
+def adam_update(p, g, m, v, vmax, step_size, bc2_sqrt, decay, grad_scale,
                  one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
                  HAS_GRAD_SCALE: tl.constexpr, ADAMW: tl.constexpr, AMSGRAD: tl.constexpr,
                  MAXIMIZE: tl.constexpr):
@@ -94,7 +94,7 @@ def _adam_block(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, offs, mas
         m = tl.load(m_ptr + offs)
         v = tl.load(v_ptr + offs)
         vmax = tl.load(vmax_ptr + offs) if AMSGRAD else v
-    p, m, v, vmax = _adam_update(p, g, m, v, vmax, step_size, bc2_sqrt, decay, grad_scale,
+    p, m, v, vmax = adam_update(p, g, m, v, vmax, step_size, bc2_sqrt, decay, grad_scale,
                                  one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
                                  HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE)
     if P16_KIND == 1:

@@ -15,6 +15,8 @@ Each kernels module (``zero_kernels.kernels.<name>``, source in ``kernels/<name>
                         #   streaming (True): assert 128-bit global loads AND stores in the PTX;
                         #   min_wide_loads / min_wide_stores (1): how many 128-bit ld / st at least
                         #     (e.g. 4 fp32 arrays x 2 words per thread = 8);
+                        #   max_shared (0): bytes of shared memory allowed (a block reduction
+                        #     across warps needs some; 0 for pure streaming kernels);
                         #   divisible_by_16 (all pointer args): args given tt.divisibility=16,
                         #     like the JIT does for torch allocations; list the int args too if the
                         #     launcher guarantees it (multiples of 16), or [] for none.
@@ -79,7 +81,7 @@ def normalize_case(case) -> dict:
     kernel, signature, constexprs, description = case[:4]
     options = dict(case[4]) if len(case) == 5 else {}
     unknown = set(options) - {"num_warps", "num_stages", "enable_fp_fusion", "streaming", "min_wide_loads",
-                              "min_wide_stores", "divisible_by_16"}
+                              "min_wide_stores", "divisible_by_16", "max_shared"}
     if unknown:
         raise ValueError(f"{description}: unknown options {sorted(unknown)}")
     return dict(kernel=kernel, signature=dict(signature), constexprs=dict(constexprs),
@@ -337,8 +339,9 @@ def test_codegen_no_shared_memory(report, module, index, description, options, a
     """Streaming kernels need no shared memory: any is a layout conversion (a register round trip
     through shared memory between loads and stores of different widths)."""
     r = compiled(report, module, index, arch, description)
-    assert r["shared"] == 0, (f"{description} on {arch} uses {r['shared']} B of shared memory: give "
-                              f"every load and store the same elements per thread")
+    limit = options.get("max_shared", 0)
+    assert r["shared"] <= limit, (f"{description} on {arch} uses {r['shared']} B of shared memory (allowed "
+                                  f"{limit}): give every load and store the same elements per thread")
 
 
 def test_every_case_streams():

@@ -62,6 +62,8 @@ SUITES = {
     # bucket flatten kernels
     "flatten_triton": ["tests/test_zero.py::test_flatten_kernels_interpreter_bitwise"],
     "flatten_cpu": ["tests/test_cpu_kernel.py", "-k", "flatten"],
+    # the coded-state Triton kernel (interpreted) against codecs.adam_step_coded, bit for bit
+    "coded": ["tests/test_adam_coded.py", "-x", "-W", "ignore::RuntimeWarning"],
 }
 
 # ----------------------------------------------------------------------------------------- faults
@@ -70,6 +72,7 @@ SUITES = {
 K, MT, REF = "kernels/adam.py", "kernels/_multi_tensor.py", "zero_kernels/reference.py"
 FL, SIMD, CPP = "kernels/flatten.py", "csrc/cpu_adam_simd.h", "csrc/cpu_adam.cpp"
 VEC, CFL = "csrc/cpu_vec.h", "csrc/cpu_flatten.cpp"
+KC, KCA = "kernels/_codecs.py", "kernels/adam_coded.py"
 FAULTS = [
     # --- eps placement: torch adds eps AFTER the bias-corrected sqrt: sqrt(v)/bc2_sqrt + eps
     ("tri.eps_in_sqrt", K, "denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps",
@@ -213,6 +216,25 @@ FAULTS = [
      "C++ flatten scale dropped (scalar)"),
     ("cflat.scale_dropped.vector", CFL, "if (SCALE) x = V::mul(x, s);", "if (SCALE) x = x;           ",
      "flatten_cpu", "C++ flatten scale dropped (SIMD)"),
+    # --- coded states ([Note: state codecs]): each codec rule of the Triton kernel
+    ("cod.sr_bits_shift", KC, "r = fmix32(idx ^ key) >> 16", "r = fmix32(idx ^ key) >> 17", "coded",
+     "bf16 SR with 15 random bits: biased rounding"),
+    ("cod.sr_not_per_element", KC, "idx = ((offs + index_offset)", "idx = ((offs * 0 + index_offset)", "coded",
+     "bf16 SR bits not keyed by the element index"),
+    ("cod.q8_tie_up", KC, "code = tl.where(mid < y, code + step, code)", "code = tl.where(mid <= y, code + step, code)",
+     "coded", "8-bit code of a value on a midpoint takes the upper entry"),
+    ("cod.q8_nan_code", KC, "return tl.where(y != y, 255, code).to(tl.uint8)", "return code.to(tl.uint8)", "coded",
+     "NaN coded 0 instead of torch.bucketize's 255"),
+    ("cod.scale_low_bit", KC, "x.to(tl.int32, bitcast=True) & 0x7FFFFFFF", "x.to(tl.int32, bitcast=True) & 0x7FFFFFFE",
+     "coded", "block scale not the exact absmax"),
+    ("cod.f8_ties_up", KC, "+ 0x7FFFF + ((a >> 20) & 1)) >> 20", "+ 0x80000) >> 20", "coded",
+     "fp8 ties round up instead of to even"),
+    ("cod.f8_scale_480", KCA, "scale = tl.div_rn(scale, F8_MAX)", "scale = tl.div_rn(scale, 480.0)", "coded",
+     "fp8 block scale from 480 instead of 448"),
+    ("cod.remainder_tie_wraps", KC, "rem = tl.minimum((b - (hi << 16)).to(tl.int32, bitcast=True), 0x7FFF)",
+     "rem = (b - (hi << 16)).to(tl.int32, bitcast=True)", "coded", "remainder tie 0x8000 wraps to -0x8000"),
+    ("cod.remainder_truncates", KC, "hi = (b + 0x7FFF + ((b >> 16) & 1)) >> 16", "hi = b >> 16", "coded",
+     "bf16 parameter truncated instead of rounded to nearest even"),
 ]
 
 

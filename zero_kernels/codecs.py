@@ -30,7 +30,8 @@ Integer arithmetic below is on uint32 (wrapping); here it runs on int64 tensors 
        code = number of midpoints strictly below y     (nearest entry; a tie takes the lower code)
        x'   = table[code] * scale                       (one fp32 multiply)
 
-   A kernel computes ``code`` with an 8-step branchless binary search over ``midpoints``.
+   A kernel computes ``code`` with an 8-step branchless binary search over ``midpoints``; a NaN ``y``
+   (a block holding a NaN) takes code 255, as ``torch.bucketize`` places NaN after every boundary.
    ``CODE_BOOKS``: ``dynamic_signed`` / ``dynamic_unsigned`` (bitsandbytes' ``create_dynamic_map``, bit
    for bit), ``linear_signed`` ((k - 127) / 127), ``linear_unsigned`` (k / 255), ``sqrt_unsigned``
    ((k / 255)^2). Defaults ``M_CODE = "dynamic_signed"``, ``V_CODE = "dynamic_unsigned"`` (the maps of
@@ -73,7 +74,8 @@ __all__ = [
     "dynamic_map", "CODE_BOOKS", "M_CODE", "V_CODE", "midpoints", "encode_q8", "decode_q8",
     "F8_MAX", "encode_f8", "decode_f8",
     "split_remainder", "join_remainder", "remainder_is_lossy",
-    "init_coded_state", "state_nbytes", "adam_step_coded",
+    "init_coded_state", "state_nbytes", "decode_moment", "encode_moment", "adam_step_coded", "MOMENT_DTYPES",
+    "BLOCKWISE",
 ]
 
 BLOCK = 256
@@ -227,8 +229,8 @@ def remainder_is_lossy(master: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------- coded Adam state and the reference step
-_MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.uint8, torch.float8_e4m3fn)
-_BLOCKWISE = (torch.uint8, torch.float8_e4m3fn)
+MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.uint8, torch.float8_e4m3fn)
+BLOCKWISE = (torch.uint8, torch.float8_e4m3fn)
 _ROUNDINGS = {"stochastic": encode_bf16_sr, "nearest": encode_bf16_rne}
 
 
@@ -249,8 +251,8 @@ def init_coded_state(param: Tensor, *, exp_avg_dtype: torch.dtype = torch.float3
     or ``master_remainder`` (int16) for 16-bit parameters. Blockwise formats fall back to fp32 below
     min_8bit_size elements."""
     for name, dt in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
-        if dt not in _MOMENT_DTYPES:
-            raise ValueError(f"{name}={dt} is not supported; use one of {list(_MOMENT_DTYPES)}")
+        if dt not in MOMENT_DTYPES:
+            raise ValueError(f"{name}={dt} is not supported; use one of {list(MOMENT_DTYPES)}")
     if store_param_remainders and param.dtype != torch.bfloat16:
         raise ValueError(f"store_param_remainders=True needs bf16 parameters, got {param.dtype}: the fp32 "
                          "master is kept as the bf16 parameter's bits plus an int16 remainder")
@@ -258,7 +260,7 @@ def init_coded_state(param: Tensor, *, exp_avg_dtype: torch.dtype = torch.float3
     zeros = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
     for key, dt, table in (("exp_avg", exp_avg_dtype, _check_code(m_code, "m_code", True)),
                            ("exp_avg_sq", exp_avg_sq_dtype, _check_code(v_code, "v_code", False))):
-        if dt in _BLOCKWISE and param.numel() >= min_8bit_size:
+        if dt in BLOCKWISE and param.numel() >= min_8bit_size:
             state[key], state[key + "_scale"] = encode_q8(zeros, table) if dt == torch.uint8 else encode_f8(zeros)
         else:
             state[key] = torch.zeros(param.shape, dtype=torch.bfloat16 if dt == torch.bfloat16 else torch.float32,
@@ -275,21 +277,25 @@ def state_nbytes(state: dict[str, Tensor]) -> int:
     return sum(t.numel() * t.element_size() for k, t in state.items() if k != "step")
 
 
-def _decode(state: dict[str, Tensor], key: str, table: Tensor) -> Tensor:
+def decode_moment(state: dict[str, Tensor], key: str, table: Tensor) -> Tensor:
+    """State ``key`` (``exp_avg`` / ``exp_avg_sq``, with its ``_scale`` if blockwise) decoded to fp32."""
     s = state[key]
     if s.dtype == torch.uint8:
         return decode_q8(s, state[key + "_scale"], table)
     return decode_f8(s, state[key + "_scale"]) if s.dtype == torch.float8_e4m3fn else s.float()
 
 
-def _encode(state: dict[str, Tensor], key: str, x: Tensor, table: Tensor, rounding: str, sr: dict) -> None:
+def encode_moment(state: dict[str, Tensor], key: str, x: Tensor, table: Tensor, rounding: str = "stochastic",
+                  sr: dict | None = None) -> None:
+    """fp32 ``x`` encoded in place into state ``key`` in its stored format (``sr``: the keyword arguments of
+    :func:`encode_bf16_sr`: seed, step, stream, index_offset)."""
     s = state[key]
-    if s.dtype in _BLOCKWISE:
+    if s.dtype in BLOCKWISE:
         codes, scale = encode_q8(x, table) if s.dtype == torch.uint8 else encode_f8(x)
         s.copy_(codes)
         state[key + "_scale"].copy_(scale)
     elif s.dtype == torch.bfloat16:
-        s.copy_(_ROUNDINGS[rounding](x, **sr))
+        s.copy_(_ROUNDINGS[rounding](x, **(sr or {})))
     else:
         s.copy_(x)
 
@@ -316,12 +322,12 @@ def adam_step_coded(param: Tensor, grad: Tensor, state: dict[str, Tensor], *, lr
     rem = state.get("master_remainder")
     master = join_remainder(param, rem) if rem is not None else state.get("master_param", param)
     params16 = [param] if "master_param" in state else None
-    m, v = _decode(state, "exp_avg", m_table), _decode(state, "exp_avg_sq", v_table)
+    m, v = decode_moment(state, "exp_avg", m_table), decode_moment(state, "exp_avg_sq", v_table)
     fused_adam_ref([master], [grad], [m], [v], None, params16, coeffs, beta1=beta1, beta2=beta2, eps=eps,
                    weight_decay=weight_decay, adamw=adamw, maximize=maximize, grad_scale=grad_scale)
     for key, x, table, stream in (("exp_avg", m, m_table, 0), ("exp_avg_sq", v, v_table, 1)):
         sr = dict(seed=seed, step=t, stream=stream, index_offset=index_offset)
-        _encode(state, key, x, table, bf16_rounding, sr)
+        encode_moment(state, key, x, table, bf16_rounding, sr)
     if rem is not None:
         hi, low = split_remainder(master)
         param.copy_(hi)

@@ -13,11 +13,14 @@ Every optimizer calls :func:`validate_hparams` before it stores or changes anyth
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
-__all__ = ["validate_hparams", "scalar_lr", "as_float"]
+from .codecs import BLOCK, MOMENT_DTYPES
+
+__all__ = ["validate_hparams", "scalar_lr", "as_float", "StateFormat", "validate_state_format", "check_param_format"]
 
 
 def _finite_nonneg(x: Any) -> bool:
@@ -56,3 +59,50 @@ def as_float(x: float | Tensor) -> float:
 def scalar_lr(lr: float | Tensor) -> float | Tensor:
     """A Tensor lr of any one-element shape as a 0-d tensor (numbers unchanged)."""
     return lr.reshape(()) if isinstance(lr, Tensor) else lr
+
+
+# [Note: state formats]
+# ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` pick the stored format of each Adam moment (the codecs of
+# [Note: state codecs] in codecs.py): float32 (the default: today's kernels, bit for bit), bfloat16
+# (stochastic rounding), uint8 (8-bit blockwise) or float8_e4m3fn (blockwise scaled). Tensors with
+# fewer than ``min_8bit_size`` elements keep fp32 moments where a blockwise format was asked for.
+# ``store_param_remainders`` keeps the fp32 master of a bf16 parameter as the parameter's bits plus
+# an int16 remainder. Any non-default choice makes the optimizer *coded*: amsgrad and
+# ``master_weights=False`` are refused with it (neither has a coded definition).
+class StateFormat(NamedTuple):
+    exp_avg_dtype: torch.dtype = torch.float32
+    exp_avg_sq_dtype: torch.dtype = torch.float32
+    store_param_remainders: bool = False
+    min_8bit_size: int = BLOCK
+
+    @property
+    def coded(self) -> bool:
+        return self != StateFormat(min_8bit_size=self.min_8bit_size)
+
+
+def validate_state_format(exp_avg_dtype: Any, exp_avg_sq_dtype: Any, store_param_remainders: Any,
+                          min_8bit_size: Any, *, master_weights: Any = None) -> StateFormat:
+    """The optimizer's :class:`StateFormat`, or ValueError naming the bad argument ([Note: state formats])."""
+    for name, dt in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
+        if dt not in MOMENT_DTYPES:
+            raise ValueError(f"{name}={dt!r} is not supported; use one of {list(MOMENT_DTYPES)}")
+    if not isinstance(store_param_remainders, bool):
+        raise ValueError(f"store_param_remainders must be True or False, got {store_param_remainders!r}")
+    if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
+        raise ValueError(f"min_8bit_size must be an int >= 0 (elements), got {min_8bit_size!r}")
+    fmt = StateFormat(exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders, min_8bit_size)
+    if fmt.coded and master_weights is False:
+        raise ValueError("master_weights=False keeps torch's 16-bit states and cannot be combined with coded "
+                         "states (exp_avg_dtype / exp_avg_sq_dtype / store_param_remainders); drop one of them")
+    return fmt
+
+
+def check_param_format(fmt: StateFormat, i: int, p: Tensor, amsgrad: Any) -> None:
+    """ValueError naming ``params[i]`` when it cannot hold the coded states of ``fmt``."""
+    if fmt.store_param_remainders and p.dtype != torch.bfloat16:
+        raise ValueError(f"params[{i}] has dtype {p.dtype}; store_param_remainders=True needs bf16 parameters "
+                         "(the fp32 master is kept as the bf16 bits plus an int16 remainder): put the other "
+                         "parameters in another optimizer, or use store_param_remainders=False")
+    if fmt.coded and amsgrad:
+        raise ValueError("amsgrad=True is not supported with coded states (exp_avg_dtype / exp_avg_sq_dtype / "
+                         "store_param_remainders): max_exp_avg_sq has no coded format; use amsgrad=False")

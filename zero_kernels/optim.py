@@ -13,18 +13,17 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from . import backends
+from . import backends, optim_coded
 from ._launch_plan import GroupPlan, Launch, is_low_precision, local, packed_steps, signature, state_error
 from ._traced_step import TracedStep
-from .hparams import scalar_lr, validate_hparams as _validate_hparams
+from .codecs import BLOCK
+from .optim_checks import check_grads, check_scalars
+from .hparams import check_param_format, scalar_lr, validate_hparams as _validate_hparams, validate_state_format
 from .reference import compute_coeffs
 
 __all__ = ["FusedAdam", "FusedAdamW"]
 
 _FP32_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
-_FP32_MAX = torch.finfo(torch.float32).max
-
-
 
 
 def _scalar(x: float | Tensor) -> float:
@@ -49,6 +48,9 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         pass; ``False`` keeps 16-bit states like torch does (runs the reference path);
         ``True`` is the same as ``None``.
     backend: ``"auto"`` | ``"triton"`` | ``"cpu"`` | ``"cuda"`` | ``"reference"``.
+    exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders, min_8bit_size: the state formats of
+        [Note: state formats] (hparams.py); their state dicts, conversions and backends: [Note: coded
+        state dicts] (optim_coded.py). The defaults are fp32 states, as torch.
 
     ``foreach`` is accepted and ignored (the step is always multi-tensor); ``fused=False`` and
     ``differentiable=True`` are refused. ``step`` lives on the parameter's device (as with torch's
@@ -78,8 +80,14 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         decoupled_weight_decay: bool | None = None,
         master_weights: bool | None = None,
         backend: str = "auto",
+        exp_avg_dtype: torch.dtype = torch.float32,
+        exp_avg_sq_dtype: torch.dtype = torch.float32,
+        store_param_remainders: bool = False,
+        min_8bit_size: int = BLOCK,
     ) -> None:
         _validate_hparams(lr, betas, eps, weight_decay)
+        self._format = validate_state_format(exp_avg_dtype, exp_avg_sq_dtype, store_param_remainders,
+                                             min_8bit_size, master_weights=master_weights)
         if differentiable:
             raise ValueError(f"{type(self).__name__} does not support differentiable=True "
                              "(the fused kernel updates in place); use torch.optim.Adam(differentiable=True)")
@@ -128,9 +136,11 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
                              "group runs on one device: put each device's parameters in its own group")
         merged = {**self.defaults, **param_group}
         _validate_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        for i, t in enumerate(tensors):
+            check_param_format(self._format, i, t, merged["amsgrad"])
         for dev in devices:
             if dev not in self._resolved:
-                self._resolved[dev] = backends.resolve(self._backend_request, dev)
+                self._resolve(dev)
         super().add_param_group(param_group)
         self._epoch = getattr(self, "_epoch", 0) + 1
 
@@ -139,13 +149,15 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         """torch's state plus what ``__init__`` set, so that ``copy.deepcopy`` and pickling give a
         working optimizer (launch plans are not carried: they are rebuilt at the next step)."""
         state = super().__getstate__()
-        state.update(_backend_request=self._backend_request, _master_weights=self._master_weights)
+        state.update(_backend_request=self._backend_request, _master_weights=self._master_weights,
+                     _format=self._format)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_backend_request", "auto")
         self.__dict__.setdefault("_master_weights", None)
+        self.__dict__.setdefault("_format", validate_state_format(torch.float32, torch.float32, False, BLOCK))
         self._resolved: dict[torch.device, str] = {}
         self._plans: dict[int, GroupPlan] = {}
         self._epoch = 0
@@ -163,11 +175,14 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         (a mismatch raises before anything is loaded). With master weights, the moments and master
         of 16-bit parameters are fp32 (torch casts floating state to the parameter's dtype): an fp32
         saved state is kept as saved, a 16-bit one (saved by torch.optim, or a 16-bit master) is
-        upcast exactly."""
+        upcast exactly. States saved in another format than this optimizer's are converted first
+        ([Note: coded state dicts] in optim_coded.py)."""
+        coded = self._format.coded
+        state_dict = optim_coded.convert_state_dict(state_dict, self.param_groups, self._format)
         saved = state_dict["state"]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
-        for p, sid in zip(params, saved_ids):
+        for p, sid in zip(params, saved_ids if not coded else ()):
             for k in _FP32_STATE_KEYS:
                 v = saved.get(sid, {}).get(k)
                 where = f"state_dict['state'][{sid}]"
@@ -177,7 +192,9 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self._epoch += 1
         for p, sid in zip(params, saved_ids):
-            if not self._uses_master(p) or sid not in saved:
+            if coded and sid in saved:      # torch cast the codes to the parameter's dtype: restore them
+                self.state[p].update({k: v for k, v in saved[sid].items() if k != "step"})
+            if coded or not self._uses_master(p) or sid not in saved:
                 continue
             for k in _FP32_STATE_KEYS:
                 v = saved[sid].get(k)
@@ -218,34 +235,6 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         return state
 
     # ------------------------------------------------------------------ step
-    @staticmethod
-    def _check_scalars(gi: int, group: dict[str, Any]) -> None:
-        """Hyper-parameters the kernels take as fp32 must fit in fp32 (torch.optim.AdamW raises too)."""
-        for k in ("lr", "eps", "weight_decay"):
-            v = group[k]
-            if not isinstance(v, Tensor) and abs(float(v)) > _FP32_MAX:
-                raise RuntimeError(f"param_groups[{gi}]['{k}'] = {v!r} cannot be converted to float32 "
-                                   "without overflow (the kernels compute in fp32; torch.optim.AdamW "
-                                   "raises the same); use a finite fp32 value")
-
-    def _check_grads(self, gi: int, group: dict[str, Any], grads: list[Tensor | None]) -> None:
-        """Every bad gradient of group ``gi`` is reported, naming it, before any state changes."""
-        for pi, (p, g) in enumerate(zip(group["params"], grads)):
-            if g is None:
-                continue
-            where = f"param_groups[{gi}]['params'][{pi}]"
-            if g.is_sparse:
-                raise RuntimeError(f"{where} has a sparse gradient; {type(self).__name__} does not "
-                                   "support sparse gradients, please consider SparseAdam instead")
-            if g.shape != p.shape:
-                raise RuntimeError(f"{where}: gradient shape {tuple(g.shape)} does not match the "
-                                   f"parameter's {tuple(p.shape)}")
-            if g.dtype != p.dtype:
-                raise RuntimeError(f"{where}: gradient dtype {g.dtype} does not match the "
-                                   f"parameter's {p.dtype}")
-            if g.device != p.device:
-                raise RuntimeError(f"{where}: gradient on {g.device}, parameter on {p.device}")
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, *, grad_scale: Tensor | None = None,
              found_inf: Tensor | None = None) -> float | None:
@@ -263,6 +252,9 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
                 loss = closure()
         grad_scale = grad_scale if grad_scale is not None else getattr(self, "grad_scale", None)
         found_inf = found_inf if found_inf is not None else getattr(self, "found_inf", None)
+        if self._format.coded:
+            self._step_coded(grad_scale, found_inf)
+            return loss
         if torch.compiler.is_compiling():   # [Note: the traced step]
             self._traced_step(grad_scale, found_inf)
             return loss
@@ -280,9 +272,9 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
             grads = [p.grad for p in group["params"]]
             sig = signature(group["params"], grads)
             plan = self._plans.get(gi)
-            self._check_scalars(gi, group)
+            check_scalars(gi, group)
             if plan is None or not plan.matches(sig, self._epoch, group["amsgrad"]):
-                self._check_grads(gi, group, grads)
+                check_grads(type(self).__name__, gi, group, grads)
                 plan = None
             work.append((gi, group, grads, sig, plan))
         for k, (gi, group, grads, sig, plan) in enumerate(work):
@@ -354,6 +346,15 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         for dst, tmp in plan.writebacks:
             dst.copy_(tmp)
 
+    def _step_coded(self, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+        """A step on coded states ([Note: coded state dicts]): every check of every group first."""
+        for gi, group in enumerate(self.param_groups):
+            check_scalars(gi, group)
+            check_grads(type(self).__name__, gi, group, [p.grad for p in group["params"]])
+        for group, device, params, seeds in optim_coded.coded_work(self.param_groups, self.state, self._format):
+            optim_coded.step_coded(self._resolved.get(device) or self._resolve(device), params,
+                                   [self.state[p] for p in params], seeds, group, grad_scale, found_inf)
+
     @staticmethod
     def _launch(group: dict[str, Any], fn: Callable[..., None], steps: Tensor, masters: list[Tensor],
                 grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
@@ -373,7 +374,8 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
            adamw=adamw, maximize=bool(group["maximize"]), grad_scale=gs, found_inf=fi_dev)
 
     def _resolve(self, device: torch.device) -> str:
-        self._resolved[device] = backends.resolve(self._backend_request, device)
+        pick = optim_coded.resolve_backend if self._format.coded else backends.resolve
+        self._resolved[device] = pick(self._backend_request, device)
         return self._resolved[device]
 
     @property
@@ -392,8 +394,11 @@ class FusedAdamW(FusedAdam):
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
                  maximize: bool = False, foreach: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, fused: bool | None = None,
-                 master_weights: bool | None = None, backend: str = "auto") -> None:
+                 master_weights: bool | None = None, backend: str = "auto",
+                 exp_avg_dtype: torch.dtype = torch.float32, exp_avg_sq_dtype: torch.dtype = torch.float32,
+                 store_param_remainders: bool = False, min_8bit_size: int = BLOCK) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable, differentiable=differentiable,
                          fused=fused, decoupled_weight_decay=True, master_weights=master_weights,
-                         backend=backend)
+                         backend=backend, exp_avg_dtype=exp_avg_dtype, exp_avg_sq_dtype=exp_avg_sq_dtype,
+                         store_param_remainders=store_param_remainders, min_8bit_size=min_8bit_size)

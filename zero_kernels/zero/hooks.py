@@ -12,8 +12,9 @@
    in again, 25-32K faults per backward on the 33.6M-param bench vs ~4K.) When the bucket's round
    ends (its launch, or the end of a backward under ``no_sync()``) the regions no gradient wrote
    are zeroed; later micro-batches accumulate into the kept buffer.
-3. Buckets are reduce-scattered *in bucket order* (as DDP does): a ready bucket waits for the
-   buckets before it. Every rank therefore issues the same collectives in the same order even
+3. Buckets are reduce-scattered *in bucket order* (as DDP does; stage 3 in the order its units
+   finish backward, ``launch_order``, see [Note: stage-3 reduce order] in stage3.py): a ready bucket
+   waits for the buckets before it. Every rank therefore issues the same collectives in the same order even
    when ranks use different parameters. ``overlap_comm=True`` launches them asynchronously from
    the hook, while backward continues; ``False`` defers them all to the end of backward.
 4. A bucket is ready when its *expected* parameters have arrived: those that got a gradient on
@@ -73,7 +74,8 @@ class Stage2Reducer:
         self.overlap_comm = overlap_comm
         self.mark_grad = mark_grad          # (bucket, local index) -> records "this param had a grad"
         self.sync = True                    # False inside no_sync()
-        self.next_launch = 0                # first bucket not yet launched in this backward
+        self.launch_order = list(buckets)   # buckets in reduce-scatter order (stage 3 sets it, note 3)
+        self.next_launch = 0                # first bucket of launch_order not yet launched
         self.in_backward = False
         self.handles = []
         self.inflight: list[FlatBucket] = []
@@ -184,8 +186,8 @@ class Stage2Reducer:
             b.reduce.acc_fresh = False
 
     def _launch_ready(self) -> None:
-        while self.next_launch < len(self.buckets):
-            b = self.buckets[self.next_launch]
+        while self.next_launch < len(self.launch_order):
+            b = self.launch_order[self.next_launch]
             i = b.index
             if b.reduce.launched or (self.arrived_expected[i] < self.expected_count[i] and b.reduce.arrived < len(b.params)):
                 break
@@ -282,10 +284,10 @@ class Stage2Reducer:
             for b in self.buckets:
                 self._seal(b)
             if self.sync:
-                for b in self.buckets[self.next_launch:]:
+                for b in self.launch_order[self.next_launch:]:
                     if not b.reduce.launched:
                         self._launch(b)
-                self.next_launch = len(self.buckets)
+                self.next_launch = len(self.launch_order)
             self._reset_backward()
 
     def _reset_backward(self) -> None:

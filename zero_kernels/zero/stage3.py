@@ -12,9 +12,11 @@ call sequence recorded in the first forward; the post-hook frees the unit (``res
 and registers a pre-backward hook (``Tensor.register_hook``) on every output that requires grad.
 The root unit, and the last unit of the recorded forward order, are not freed after a forward
 that needs a backward: they are the first to get gradients (FSDP2 keeps its root the same way);
-this saves one all-gather per step. A forward that runs *inside* backward (activation
-checkpointing recomputation, ``torch._C._current_graph_task_id() != -1``) gathers and never frees:
-the unit is freed when its gradients are complete.
+this saves one all-gather per step. When no backward follows (eval mode, grad off, or the graph
+dropped) they are given back ([Note: forward without backward] in unit_hold.py). A forward that
+runs *inside* backward (activation checkpointing recomputation,
+``torch._C._current_graph_task_id() != -1``) gathers and never frees: the unit is freed when its
+gradients are complete.
 Backward: the first output gradient of a unit (per call: a unit called twice has hooks on both
 calls' outputs; the hook is idempotent) re-gathers it and prefetches the next ``prefetch`` units of
 the backward sequence (the reverse forward post-order in the first backward, the recorded order
@@ -29,6 +31,18 @@ and frees whatever is still gathered (parameters without gradients).
 
 Every rank must call the same units in the same order (as with FSDP): the all-gathers are
 collectives issued from forward hooks.
+
+[Note: stage-3 reduce order]
+The reducer reduce-scatters buckets in one order on every rank, a bucket waiting for those before
+it (hooks.py, point 3). Bucket order (reverse registration) does not follow backward at stage 3: a
+parent unit's parameters registered after its blocks (GPT-2's ``ln_f`` after ``h``) put its bucket
+first, but its other parameters (``wpe``, used at the start of forward) get their gradients last,
+so every block's full-size fp32 gradient buffer waited for the end of backward: the whole model's
+gradients, unsharded, at once (52.6M-parameter GPT at world 2: ~200 MB per rank, kept by the
+allocator afterwards). After the first forward the reducer's order becomes the reverse order in
+which the units were first *entered* (a unit's backward ends after those entered after it, nested
+units included; the root last); units never called come last. The recorded forward order is the
+same on every rank (the requirement above), so the reduce-scatters are too.
 """
 from __future__ import annotations
 
@@ -41,6 +55,7 @@ from torch import Tensor, nn
 from . import collectives as C
 from .buckets import FlatBucket
 from .grad_guard import local_grad
+from .heap import release_free_heap
 from .hooks import Stage2Reducer
 from .report import nbytes, state_report
 from .strategy import HookReduced, StrategyContext
@@ -95,7 +110,8 @@ class Stage3(HookReduced):
     def __init__(self, ctx: StrategyContext, units: list[tuple[str, nn.Module]]):
         cfg = ctx.config
         self.runtime = UnitRuntime(units, ctx.buckets, ctx.group, ctx.rank, cfg.prefetch,
-                                   cfg.reshard_after_forward, self._end_backward, cfg.timeout)
+                                   cfg.reshard_after_forward, self._end_backward, cfg.timeout,
+                                   on_forward_order=self._reduce_in_backward_order)
         # overlap_comm honoured as in stage 2: False defers every reduce-scatter to the end of backward
         HookReduced.__init__(self, ctx, Stage3Reducer, on_backward_start=self.runtime.ensure_final_callback,
                              free_bucket=self.runtime.free)
@@ -115,6 +131,15 @@ class Stage3(HookReduced):
             "call it on every rank), or `with zopt.gathered(): sd = model.state_dict()` (every rank), e.g. "
             "before save_pretrained(..., state_dict=sd)")
 
+    def _reduce_in_backward_order(self, fwd_seq: list[int]) -> None:
+        """[Note: stage-3 reduce order]: called once, after the first forward (before any backward)."""
+        entered: dict[int, int] = {}
+        for pos, ui in enumerate(fwd_seq):
+            entered.setdefault(ui, pos)
+        self.reducer.launch_order = sorted(
+            self.ctx.buckets, key=lambda b: (0, -entered[b.spec.unit], b.index) if b.spec.unit in entered
+            else (1, 0, b.index))
+
     def _end_backward(self) -> None:
         if self.reducer.in_backward:
             self.reducer.post_backward()
@@ -125,11 +150,15 @@ class Stage3(HookReduced):
 
     def end_step(self) -> None:
         self.runtime.free_all()                 # gathered copies (if any) are stale now
+        if self.ctx.buckets and self.ctx.buckets[0].device.type == "cpu":
+            release_free_heap()                 # [Note: resident memory at stage 3] in heap.py
+
+    def refresh_params(self) -> None:           # after a load: the next forward gathers the new shards
+        self.runtime.free_all()
 
     def wait_for_params(self) -> None:
         pass
 
-    refresh_params = end_step                   # after a load: the next forward gathers the new shards
     pending_param_gathers = 0
 
     def full_flat(self, b: FlatBucket) -> Tensor:

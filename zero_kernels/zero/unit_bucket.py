@@ -25,6 +25,7 @@ from torch import Tensor
 from .. import _ext
 from . import collectives as C
 from .buckets import FlatBucket, OptimState, fill_flat, master_from_originals
+from .heap import release_free_heap
 from .qwz import quantized_all_gather
 
 __all__ = ["UnitBucket", "gather_cache_stats", "empty_gather_cache", "cache_module", "FREE", "GATHERING",
@@ -63,6 +64,7 @@ def empty_gather_cache() -> None:
     mod = cache_module()
     if mod is not None:
         mod.cache_empty()
+        release_free_heap()         # the blocks went back to malloc: give them to the system too
 
 
 class UnitBucket(FlatBucket):

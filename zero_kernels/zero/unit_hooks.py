@@ -1,5 +1,23 @@
 """ZeRO-3 runtime: forward/backward module hooks that gather, prefetch and free units
-([Note: stage-3 hooks] in stage3.py)."""
+([Note: stage-3 hooks] in stage3.py).
+
+[Note: stage 3 under torch.compile]
+``torch.compile(model)`` traces a module's forward *and* its module hooks. Traced by Dynamo, the
+hooks' ``p.data = ...`` swaps (gather: views of the unit's flat buffer; free: the 0-element
+placeholder) ran as graph code, and the first backward failed with "modified by an inplace
+operation" (a parameter's autograd version counter had advanced); collectives and storage resizes
+do not belong in a graph either. So the forward hooks are ``torch.compiler.disable``-d (FSDP2
+does the same with its hooks, ``torch._dynamo.config.skip_fsdp_hooks``): Dynamo breaks the graph at each unit's hooks, they run
+eagerly, and the compiled regions between them only ever see gathered parameters, so their guards
+(shape, stride, dtype) hold from step to step (no recompilation). Eagerly, ``p.data = x`` keeps the
+Parameter's own version counter (``set_data``), the all-gather writes the flat buffer under
+``no_grad``, and tensors a compiled forward saved for backward (parameters, or views of them) point
+at the buffer's storage, which is resized, never replaced ([Note: stage-3 storage]), so they are
+valid again once the pre-backward hook re-gathers. The parameters keep their 0-element placeholder
+while freed (FSDP2 keeps the full shape over a 0-byte storage instead: a stray read of a freed
+parameter there reads a null pointer; here it is an empty tensor, and ``model.to(dtype)`` on a
+freed model is caught by the bound-parameter check).
+"""
 from __future__ import annotations
 
 from typing import Callable
@@ -10,6 +28,7 @@ from torch.autograd import Variable
 
 from .timeouts import scoped
 from .unit_bucket import FREE, UnitBucket, cache_module
+from .unit_hold import BackwardHold
 
 __all__ = ["UnitRuntime"]
 
@@ -28,13 +47,15 @@ class UnitRuntime:
     """The module hooks of stage 3 over its units (see [Note: stage-3 hooks] in stage3.py)."""
 
     def __init__(self, units: list[tuple[str, nn.Module]], buckets: list[UnitBucket], group, rank: int,
-                 prefetch: int, reshard_after_forward: bool, end_backward: Callable[[], None], timeout=None):
+                 prefetch: int, reshard_after_forward: bool, end_backward: Callable[[], None], timeout=None,
+                 on_forward_order: Callable[[list[int]], None] = lambda seq: None):
         self.group = group
         self.timeout = timeout                # every wait in these hooks is bounded by ZeroAdamW(timeout=)
         self.rank = rank
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
         self.end_backward = end_backward      # the reducer's end-of-backward work
+        self.on_forward_order = on_forward_order  # gets the unit order recorded in the first forward
         self.units = [_Unit(i, n, m, [b for b in buckets if b.spec.unit == i])
                       for i, (n, m) in enumerate(units)]
         # Gather cache limit: the gathered working set (root + current + prefetched + the unit
@@ -48,9 +69,11 @@ class UnitRuntime:
         self.handles = []
         for u in self.units:
             if u.buckets or u.index == 0:
-                self.handles.append(u.module.register_forward_pre_hook(
-                    scoped(self.timeout, self.group, self._pre_forward_hook(u))))
-                self.handles.append(u.module.register_forward_hook(self._post_forward_hook(u)))
+                # eager even inside torch.compile (see [Note: stage 3 under torch.compile])
+                self.handles.append(u.module.register_forward_pre_hook(torch.compiler.disable(
+                    scoped(self.timeout, self.group, self._pre_forward_hook(u)))))
+                self.handles.append(u.module.register_forward_hook(
+                    torch.compiler.disable(self._post_forward_hook(u))))
         # sequences (unit indices, with repeats) recorded in the first forward / backward
         self.fwd_seq: list[int] | None = None
         self.fwd_post_seq: list[int] | None = None
@@ -63,6 +86,7 @@ class UnitRuntime:
         self._last_unit: int | None = None    # last unit of the forward: kept for backward
         self._in_forward = False
         self._final_queued = False
+        self.hold = BackwardHold(self.free_all)   # [Note: forward without backward] in unit_hold.py
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
         self.peak_gathered_units = 0
@@ -94,6 +118,7 @@ class UnitRuntime:
             self.free(b)
 
     def free_all(self) -> None:
+        self.hold.clear()
         for u in self.units:
             self._free_unit(u)
 
@@ -130,6 +155,9 @@ class UnitRuntime:
                 self._ensure(u)
                 return None
             if u.index == 0:
+                if self.hold.start_forward():         # held for a backward that never came
+                    for x in self.units[1:]:
+                        self._free_unit(x)
                 self._in_forward = True
                 self._fwd_pos = 0
                 self._rec_fwd, self._rec_post = [], []
@@ -152,7 +180,7 @@ class UnitRuntime:
             needs_grad = False
             if torch.is_grad_enabled():
                 for t in _grad_tensors(output):
-                    t.register_hook(scoped(self.timeout, self.group, self._pre_backward_hook(u)))
+                    t.register_hook(scoped(self.timeout, self.group, self._pre_backward_hook(u, self.hold.token)))
                     needs_grad = True
             if self._in_forward:
                 self._rec_post.append(u.index)
@@ -163,12 +191,15 @@ class UnitRuntime:
                     self.fwd_seq, self.fwd_post_seq = self._rec_fwd, self._rec_post
                     rest = [i for i in self._rec_post if i != 0]
                     self._last_unit = rest[-1] if rest else None
-                if self.reshard_after_forward:
+                    self.on_forward_order(self.fwd_seq)
+                hold = needs_grad and module.training   # a backward is expected
+                if self.reshard_after_forward or not hold:
                     for x in self.units[1:]:          # also prefetched units that did not run
-                        if not (needs_grad and x.index == self._last_unit):
+                        if not (hold and x.index == self._last_unit):
                             self._free_unit(x)
-                    if not needs_grad:
+                    if not hold:
                         self._free_unit(u)
+                self.hold.end_forward(hold)
             elif self.reshard_after_forward and not keep_last:
                 self._free_unit(u)
             return None
@@ -178,12 +209,13 @@ class UnitRuntime:
     def ensure_final_callback(self) -> None:
         if not self._final_queued:
             self._final_queued = True
+            self.hold.clear()
             self._bwd_pos = 0
             self._rec_bwd = []
             Variable._execution_engine.queue_callback(scoped(self.timeout, self.group, self._post_backward))
 
-    def _pre_backward_hook(self, u: _Unit):
-        def hook(grad):
+    def _pre_backward_hook(self, u: _Unit, token):
+        def hook(grad, _token=token):    # the forward's token lives as long as this hook (unit_hold.py)
             with torch.no_grad():
                 self.ensure_final_callback()
                 self._ensure(u)
@@ -231,17 +263,17 @@ class UnitRuntime:
 
 
 def _grad_tensors(output) -> list[Tensor]:
-    out = []
-
-    def visit(x):
+    """The tensors in ``output`` (nested lists, tuples, dicts) that require grad, in order. Iterative:
+    a recursive closure would be a reference cycle holding the outputs (and their autograd graph)
+    until the garbage collector runs ([Note: forward without backward] in unit_hold.py)."""
+    out, todo = [], [output]
+    while todo:
+        x = todo.pop()
         if isinstance(x, Tensor):
             if x.requires_grad:
                 out.append(x)
         elif isinstance(x, (list, tuple)):
-            for y in x:
-                visit(y)
+            todo.extend(reversed(x))
         elif isinstance(x, dict):
-            for y in x.values():
-                visit(y)
-    visit(output)
+            todo.extend(reversed(list(x.values())))
     return out

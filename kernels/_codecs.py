@@ -1,0 +1,130 @@
+"""The state codecs of zero_kernels/codecs.py ([Note: state codecs]) as Triton device functions.
+
+Every rule is computed on integer bits or with IEEE operations (``tl.div_rn``, one fp32 multiply or add),
+never with a float cast whose rounding differs between the interpreter (numpy truncates fp32 -> bf16)
+and a GPU: the interpreter's bits are the GPU's, and both are the reference's.
+Element ``x`` of a 2-D block is element ``offs`` of its tensor; rows are the 256-element quantization
+blocks (``QBLOCK``), so a row reduction is a block's absmax.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+QBLOCK = tl.constexpr(256)      # codecs.BLOCK: elements per block scale
+F8_MAX = tl.constexpr(448.0)    # codecs.F8_MAX: largest finite float8_e4m3fn
+
+
+@triton.jit
+def ld(ptr, offs, mask, MASKED: tl.constexpr):
+    """tl.load with the mask only when MASKED (an unmasked load can be 128-bit); masked lanes read 0."""
+    if MASKED:
+        return tl.load(ptr + offs, mask=mask, other=0)
+    return tl.load(ptr + offs)
+
+
+@triton.jit
+def st(ptr, offs, x, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr + offs, x, mask=mask)
+    else:
+        tl.store(ptr + offs, x)
+
+
+@triton.jit
+def fmix32(h):
+    """MurmurHash3's 32-bit finalizer on uint32 (multiplications wrap mod 2^32)."""
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def encode_bf16_sr(x, offs, index_offset, key):
+    """fp32 -> bf16 bits (uint16), stochastic rounding keyed by the flat index ([Note: state codecs] 1)."""
+    idx = ((offs + index_offset) & 0xFFFFFFFF).to(tl.uint32)
+    r = fmix32(idx ^ key) >> 16
+    hi = (x.to(tl.uint32, bitcast=True) + r) >> 16
+    return tl.where(x != x, 0x7FC0, hi).to(tl.uint16)
+
+
+@triton.jit
+def decode_bf16(h):
+    """bf16 bits (uint16) -> fp32, exactly."""
+    return (h.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def block_absmax(x, mask):
+    """Per row (quantization block): max |x| over the unmasked lanes, NaN if one is NaN (torch.amax).
+    On the bits: |x| as int32 orders like the floats, and every NaN is above +inf."""
+    a = tl.where(mask, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+    return tl.max(a, axis=1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def scaled(x, scale):
+    """x / scale per row (IEEE division), 0 where the block's scale is 0 (codecs.encode_q8 / encode_f8)."""
+    s = scale[:, None]
+    return tl.where(s == 0.0, 0.0, tl.div_rn(x, s))
+
+
+@triton.jit
+def encode_q8(y, mid_ptr):
+    """Code of y (already divided by its scale): the number of the 255 midpoints strictly below y (an
+    8-step branchless binary search), 255 for NaN (torch.bucketize)."""
+    code = tl.zeros(y.shape, dtype=tl.int32)
+    for b in tl.static_range(7, -1, -1):
+        step = 1 << b
+        mid = tl.load(mid_ptr + (code + (step - 1)))
+        code = tl.where(mid < y, code + step, code)
+    return tl.where(y != y, 255, code).to(tl.uint8)
+
+
+@triton.jit
+def decode_q8(code, scale, table_ptr):
+    return tl.load(table_ptr + code.to(tl.int32)) * scale
+
+
+@triton.jit
+def encode_f8(y):
+    """fp32 -> float8_e4m3fn bits (uint8), round to nearest even, torch's conversion (c10
+    fp8e4m3fn_from_fp32_value): >= 480 and NaN -> 0x7F; below 2^-6 through an fp32 add of 2^14."""
+    b = y.to(tl.uint32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    a = b & 0x7FFFFFFF
+    small = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.uint32, bitcast=True) - (141 << 23)
+    normal = (a - (120 << 23) + 0x7FFFF + ((a >> 20) & 1)) >> 20      # rebias 127 -> 7; wraps only off this path
+    code = tl.where(a >= (1087 << 20), 0x7F, tl.where(a < (121 << 23), small, normal))
+    return ((code & 0xFF) | sign).to(tl.uint8)
+
+
+@triton.jit
+def decode_f8(c):
+    """float8_e4m3fn bits (uint8) -> fp32, exactly (subnormals m * 2^-9, 0x7F / 0xFF NaN)."""
+    c = c.to(tl.uint32)
+    e = (c >> 3) & 0xF
+    mant = c & 7
+    normal = (((e + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, mant.to(tl.float32) * 0.001953125, normal)
+    mag = tl.where((c & 0x7F) == 0x7F, (mag.to(tl.uint32, bitcast=True) | 0x7FC00000).to(tl.float32, bitcast=True), mag)
+    return tl.where((c & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def join_remainder(hi, rem):
+    """(bf16 bits uint16, int16 remainder) -> the fp32 master ([Note: state codecs] 4)."""
+    b = (hi.to(tl.uint32) << 16) + rem.to(tl.int32).to(tl.uint32, bitcast=True)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def split_remainder(p):
+    """fp32 master -> (bf16 bits = round-to-nearest-even, int16 remainder; the tie 0x8000 kept as 0x7FFF)."""
+    b = p.to(tl.uint32, bitcast=True)
+    hi = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    rem = tl.minimum((b - (hi << 16)).to(tl.int32, bitcast=True), 0x7FFF)
+    nan = p != p
+    return tl.where(nan, 0x7FC0, hi).to(tl.uint16), tl.where(nan, 0, rem).to(tl.int16)

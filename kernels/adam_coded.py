@@ -1,0 +1,292 @@
+"""Fused Adam/AdamW on coded states (issue 11) in Triton: decode in registers -> the fp32 update of
+``adam.adam_update`` (the fused-Adam contract) -> encode, in one pass; no fp32 copy of any state.
+
+[Note: the coded kernel]
+The reference is ``zero_kernels.codecs.adam_step_coded`` and the kernel equals it bit for bit
+(tests/test_adam_coded.py): every codec is computed on bits or with IEEE operations (kernels/_codecs.py).
+A program's BLOCK_SIZE = 1024 elements are a [4, 256] tile whose rows are the 8-bit / fp8 quantization
+blocks (chunks start at multiples of 1024, blocks are counted from each tensor's first element), so
+the new block scale is a row max in registers, computed after the update and before the encode. The
+row reduction crosses two warps (256 elements at 4 per thread) and so goes through shared memory; the
+compiled variants also convert some arrays between the tile's layout and their access layout (up to
+4 KB of shared memory in all, bounded by tests/test_codegen.py's max_shared; removing the conversions
+is open work, as is wider access to the uint8 codes).
+State kinds (constexprs): MASTER_KIND 0 = an fp32 master (or the fp32 parameter), 1 = bf16 parameter +
+int16 remainder; M_KIND / V_KIND 0 = fp32, 1 = bf16 stochastic rounding, 2 = uint8 code book, 3 =
+float8_e4m3fn; both blockwise kinds read and write an fp32 scale per block.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .. import codecs
+from ..reference import compute_coeffs, moment_coeffs
+from ._codecs import (F8_MAX, QBLOCK, block_absmax, decode_bf16, decode_f8, decode_q8, encode_bf16_sr, encode_f8,
+                      encode_q8, join_remainder, ld, scaled, split_remainder, st)
+from ._multi_tensor import chunk_map, device_guard, pointer_table, program_chunk, round_bf16_bits, upload
+from .adam import LAUNCH_OPTIONS, adam_update
+
+BLOCK = 1024
+ITERS = 4
+CHUNK = BLOCK * ITERS
+_COLS = 7   # master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param16
+
+
+@triton.jit
+def _ptr(address, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """A table entry as a typed pointer, hinted 16-byte aligned when the tensor's pointers all are."""
+    ptr = address.to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def _load_moment(ptr, scale_ptr, table_ptr, offs, mask, MASKED: tl.constexpr, KIND: tl.constexpr,
+                 ALIGNED: tl.constexpr):
+    """Decode one moment of the tile to fp32 (KIND: see [Note: the coded kernel])."""
+    if KIND == 0:
+        return ld(_ptr(ptr, tl.float32, ALIGNED), offs, mask, MASKED)
+    elif KIND == 1:
+        return decode_bf16(ld(_ptr(ptr, tl.uint16, ALIGNED), offs, mask, MASKED))
+    else:
+        code = ld(_ptr(ptr, tl.uint8, ALIGNED), offs, mask, MASKED)
+        scale = ld(scale_ptr.to(tl.pointer_type(tl.float32)), offs // QBLOCK, mask, MASKED)
+        if KIND == 2:
+            return decode_q8(code, scale, table_ptr)
+        else:
+            return decode_f8(code) * scale
+
+
+@triton.jit
+def _store_moment(x, ptr, scale_ptr, mid_ptr, offs, mask, rows, index_offset, key,
+                  MASKED: tl.constexpr, KIND: tl.constexpr, ALIGNED: tl.constexpr):
+    """Encode one updated moment of the tile and store it (with its new block scales)."""
+    if KIND == 0:
+        st(_ptr(ptr, tl.float32, ALIGNED), offs, x, mask, MASKED)
+    elif KIND == 1:
+        st(_ptr(ptr, tl.uint16, ALIGNED), offs, encode_bf16_sr(x, offs, index_offset, key), mask, MASKED)
+    else:
+        scale = block_absmax(x, mask)
+        if KIND == 3:
+            scale = tl.div_rn(scale, F8_MAX)
+            code = encode_f8(scaled(x, scale))
+        else:
+            code = encode_q8(scaled(x, scale), mid_ptr)
+        st(_ptr(ptr, tl.uint8, ALIGNED), offs, code, mask, MASKED)
+        row_mask = tl.max(mask.to(tl.int32), axis=1) > 0
+        st(scale_ptr.to(tl.pointer_type(tl.float32)), rows, scale, row_mask, MASKED)
+
+
+@triton.jit
+def _coded_tile(row, offs, mask, rows, step_size, bc2_sqrt, decay, grad_scale, m_key, v_key, index_offset,
+                m_table, m_mid, v_table, v_mid, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+                GRAD_DTYPE: tl.constexpr, P16_KIND: tl.constexpr, MASTER_KIND: tl.constexpr,
+                M_KIND: tl.constexpr, V_KIND: tl.constexpr, MASKED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
+                ADAMW: tl.constexpr, MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Load, decode, update, encode and store one [rows, 256] tile of one tensor (table row ``row``)."""
+    a_master, a_p16 = tl.load(row + 0), tl.load(row + 6)
+    p16_ptr = _ptr(a_p16, tl.uint16, ALIGNED)
+    master_ptr = _ptr(a_master, tl.float32, ALIGNED)
+    grad_ptr = _ptr(tl.load(row + 1), GRAD_DTYPE, ALIGNED)
+    if MASTER_KIND == 1:
+        rem_ptr = _ptr(a_master, tl.int16, ALIGNED)
+        p = join_remainder(ld(p16_ptr, offs, mask, MASKED), ld(rem_ptr, offs, mask, MASKED))
+    else:
+        p = ld(master_ptr, offs, mask, MASKED)
+    g = ld(grad_ptr, offs, mask, MASKED).to(tl.float32)
+    m = _load_moment(tl.load(row + 2), tl.load(row + 4), m_table, offs, mask, MASKED, M_KIND, ALIGNED)
+    v = _load_moment(tl.load(row + 3), tl.load(row + 5), v_table, offs, mask, MASKED, V_KIND, ALIGNED)
+    p, m, v, _ = adam_update(p, g, m, v, v, step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2,
+                             one_minus_beta2, eps, weight_decay, HAS_GRAD_SCALE, ADAMW, False, MAXIMIZE)
+    _store_moment(m, tl.load(row + 2), tl.load(row + 4), m_mid, offs, mask, rows, index_offset, m_key, MASKED,
+                  M_KIND, ALIGNED)
+    _store_moment(v, tl.load(row + 3), tl.load(row + 5), v_mid, offs, mask, rows, index_offset, v_key, MASKED,
+                  V_KIND, ALIGNED)
+    if MASTER_KIND == 1:
+        hi, rem = split_remainder(p)
+        st(p16_ptr, offs, hi, mask, MASKED)
+        st(rem_ptr, offs, rem, mask, MASKED)
+    else:
+        st(master_ptr, offs, p, mask, MASKED)
+        if P16_KIND == 1:
+            st(p16_ptr, offs, round_bf16_bits(p), mask, MASKED)
+        elif P16_KIND == 2:
+            st(_ptr(a_p16, tl.float16, ALIGNED), offs, p.to(tl.float16), mask, MASKED)
+
+
+@triton.jit
+def fused_adam_coded_kernel(
+    ptr_table,        # int64 [T, 7]: data_ptr of master (fp32 master / fp32 param / int16 remainder), grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param16 (0 = absent)
+    numels,           # int64 [T]: elements in tensor t
+    coeffs,           # fp32 [T, 3]: step_size, bc2_sqrt, decay (reference.compute_coeffs)
+    keys,             # int64 [T, 3]: SR key of exp_avg, SR key of exp_avg_sq (codecs.sr_key, uint32), flat index of element 0
+    chunk_tensor,     # int32 [n_programs]: the tensor program pid works on
+    chunk_start,      # int64 [n_programs]: first element of program pid's chunk (a multiple of BLOCK_SIZE)
+    m_table,          # fp32 [256]: exp_avg code book (M_KIND 2)
+    m_mid,            # fp32 [255]: its midpoints
+    v_table,          # fp32 [256]: exp_avg_sq code book (V_KIND 2)
+    v_mid,            # fp32 [255]: its midpoints
+    grad_scale_ptr,   # fp32 [1]: gradient multiplier; read iff HAS_GRAD_SCALE
+    found_inf_ptr,    # fp32 [1]: nonzero -> the whole step writes nothing; read iff HAS_FOUND_INF
+    one_minus_beta1,  # fp32 scalar: 1 - beta1 (computed in double on the host)
+    beta2,            # fp32 scalar
+    one_minus_beta2,  # fp32 scalar: 1 - beta2 (computed in double on the host)
+    eps,              # fp32 scalar
+    weight_decay,     # fp32 scalar: L2 coefficient when not ADAMW
+    GRAD_DTYPE: tl.constexpr,      # tl.float32 / tl.bfloat16 / tl.float16
+    P16_KIND: tl.constexpr,        # 0: none, 1: bf16 (RNE bits, or the remainder's high half), 2: fp16
+    MASTER_KIND: tl.constexpr,     # 0: fp32 master, 1: bf16 parameter + int16 remainder
+    M_KIND: tl.constexpr,          # exp_avg format: 0 fp32, 1 bf16 SR, 2 uint8, 3 float8_e4m3fn
+    V_KIND: tl.constexpr,          # exp_avg_sq format, as M_KIND
+    HAS_GRAD_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    ADAMW: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,      # elements per iteration: a [BLOCK_SIZE // 256, 256] tile
+    N_ITERS: tl.constexpr,         # iterations per program
+):
+    if HAS_FOUND_INF:
+        if tl.load(found_inf_ptr) != 0:
+            return
+    t, start, numel = program_chunk(chunk_tensor, chunk_start, numels)
+    row = ptr_table + t * 7
+    aligned = ((tl.load(row) | tl.load(row + 1) | tl.load(row + 2) | tl.load(row + 3) | tl.load(row + 6)) & 15) == 0
+    step_size, bc2_sqrt, decay = tl.load(coeffs + t * 3), tl.load(coeffs + t * 3 + 1), tl.load(coeffs + t * 3 + 2)
+    m_key, v_key = tl.load(keys + t * 3).to(tl.uint32), tl.load(keys + t * 3 + 1).to(tl.uint32)
+    index_offset = tl.load(keys + t * 3 + 2)
+    grad_scale = tl.load(grad_scale_ptr) if HAS_GRAD_SCALE else 1.0
+    tile = tl.arange(0, BLOCK_SIZE // QBLOCK).to(tl.int64)[:, None] * QBLOCK + tl.arange(0, QBLOCK).to(tl.int64)[None, :]
+    for i in range(N_ITERS):
+        block_start = start + i * BLOCK_SIZE
+        offs = tl.max_contiguous(tl.multiple_of(block_start + tile, [QBLOCK, QBLOCK]), [1, QBLOCK])
+        rows = block_start // QBLOCK + tl.arange(0, BLOCK_SIZE // QBLOCK).to(tl.int64)
+        args = (row, offs, offs < numel, rows, step_size, bc2_sqrt, decay, grad_scale, m_key, v_key, index_offset,
+                m_table, m_mid, v_table, v_mid, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay)
+        if block_start + BLOCK_SIZE <= numel:
+            if aligned:
+                _coded_tile(*args, GRAD_DTYPE, P16_KIND, MASTER_KIND, M_KIND, V_KIND, False, HAS_GRAD_SCALE, ADAMW,
+                            MAXIMIZE, True)
+            else:
+                _coded_tile(*args, GRAD_DTYPE, P16_KIND, MASTER_KIND, M_KIND, V_KIND, False, HAS_GRAD_SCALE, ADAMW,
+                            MAXIMIZE, False)
+        elif block_start < numel:
+            _coded_tile(*args, GRAD_DTYPE, P16_KIND, MASTER_KIND, M_KIND, V_KIND, True, HAS_GRAD_SCALE, ADAMW,
+                        MAXIMIZE, False)
+
+
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2, torch.float8_e4m3fn: 3}
+_P16 = {None: 0, torch.bfloat16: 1, torch.float16: 2}
+_BOOKS: dict = {}
+
+
+def _books(device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(m table, m midpoints, v table, v midpoints) on ``device``, uploaded once."""
+    if device not in _BOOKS:
+        m, v = codecs.CODE_BOOKS[codecs.M_CODE], codecs.CODE_BOOKS[codecs.V_CODE]
+        _BOOKS[device] = tuple(t.to(device) for t in (m, codecs.midpoints(m), v, codecs.midpoints(v)))
+    return _BOOKS[device]
+
+
+def _row(p: Tensor, g: Tensor, s: dict[str, Tensor]) -> tuple[list[int], tuple]:
+    """(pointer-table row, launch key) of one tensor and its coded state."""
+    master = s.get("master_remainder", s.get("master_param", p))
+    p16 = p if master is not p else None
+    ptrs = [master.data_ptr(), g.data_ptr(), s["exp_avg"].data_ptr(), s["exp_avg_sq"].data_ptr(),
+            s["exp_avg_scale"].data_ptr() if "exp_avg_scale" in s else 0,
+            s["exp_avg_sq_scale"].data_ptr() if "exp_avg_sq_scale" in s else 0, 0 if p16 is None else p16.data_ptr()]
+    key = (g.dtype, None if p16 is None else p16.dtype, int("master_remainder" in s),
+           _KIND[s["exp_avg"].dtype], _KIND[s["exp_avg_sq"].dtype])
+    return ptrs, key
+
+
+def adam_step_coded_triton(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]],
+                           seeds: list[int], *, lr, beta1: float, beta2: float, eps: float, weight_decay: float,
+                           adamw: bool, maximize: bool = False, grad_scale: Tensor | None = None,
+                           found_inf: Tensor | None = None) -> None:
+    """``codecs.adam_step_coded`` for every (param, grad, state, seed), in place: one launch per (grad dtype,
+    param dtype, state kinds). ``grad_scale`` multiplies the gradient; a nonzero ``found_inf`` changes
+    nothing but is still counted as torch counts it (the step is incremented by 1 - found_inf)."""
+    if not params:
+        return
+    device = params[0].device
+    steps = torch.stack([s["step"].reshape(()) for s in states])
+    steps.add_(1.0 if found_inf is None else 1.0 - found_inf.to(device, torch.float32).reshape(()))
+    for s, t in zip(states, steps.unbind()):
+        s["step"].copy_(t)
+    coeffs = compute_coeffs(steps, lr, beta1, beta2, weight_decay, adamw, device=device)
+    seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
+    step_i = steps.to(torch.int64)
+    keys = torch.stack([codecs.sr_key(seed_t, step_i, 0), codecs.sr_key(seed_t, step_i, 1),
+                        torch.zeros_like(seed_t)], dim=1).contiguous()
+    groups: dict[tuple, list[int]] = {}
+    rows, writebacks = [], []
+    grads = [g if g.is_contiguous() else g.contiguous() for g in grads]   # alive until the launches are queued
+    for i, (p, g, s) in enumerate(zip(params, grads, states)):
+        if not p.is_contiguous():
+            tmp = p.detach().contiguous()
+            writebacks.append((p, tmp))
+            p = tmp
+        ptrs, key = _row(p, g, s)
+        rows.append(ptrs)
+        groups.setdefault(key, []).append(i)
+    for key, idx in groups.items():
+        _launch(key, idx, [rows[i] for i in idx], [params[i].numel() for i in idx], coeffs, keys, device,
+                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw, maximize=maximize,
+                grad_scale=grad_scale, found_inf=found_inf)
+    for dst, tmp in writebacks:
+        dst.detach().copy_(tmp)
+
+
+def _launch(key: tuple, idx: list[int], rows: list[list[int]], numels: list[int], coeffs: Tensor, keys: Tensor,
+            device: torch.device, *, beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf) -> None:
+    grad_dtype, p16_dtype, master_kind, m_kind, v_kind = key
+    table = pointer_table([x for r in rows for x in r], device)
+    numels_t, chunk_tensor, chunk_start = chunk_map(tuple(numels), CHUNK, device)
+    if chunk_tensor.numel() == 0:
+        return
+    index = upload(idx, torch.int64, device)
+    c, k = coeffs.index_select(0, index).contiguous(), keys.index_select(0, index).contiguous()
+    gs = grad_scale.to(device, torch.float32) if grad_scale is not None else c
+    fi = found_inf.to(device, torch.float32) if found_inf is not None else c
+    one_minus_beta1, one_minus_beta2 = moment_coeffs(beta1, beta2)
+    with device_guard(device):
+        fused_adam_coded_kernel[(chunk_tensor.numel(),)](
+            table, numels_t, c, k, chunk_tensor, chunk_start, *_books(device), gs, fi,
+            one_minus_beta1, float(beta2), one_minus_beta2, float(eps), float(weight_decay),
+            GRAD_DTYPE=_TL[grad_dtype], P16_KIND=_P16[p16_dtype], MASTER_KIND=master_kind, M_KIND=m_kind,
+            V_KIND=v_kind, HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+            ADAMW=bool(adamw), MAXIMIZE=bool(maximize), BLOCK_SIZE=BLOCK, N_ITERS=ITERS, **LAUNCH_OPTIONS)
+
+
+# Ahead-of-time codegen cases (tests/test_codegen.py, sm_80 and sm_90): every state kind of each moment, the
+# remainder and fp32-master layouts, bf16 and fp32 gradients.
+def _codegen_cases() -> list:
+    sig = dict(ptr_table="*i64", numels="*i64", coeffs="*fp32", keys="*i64", chunk_tensor="*i32",
+               chunk_start="*i64", m_table="*fp32", m_mid="*fp32", v_table="*fp32", v_mid="*fp32",
+               grad_scale_ptr="*fp32", found_inf_ptr="*fp32", one_minus_beta1="fp32", beta2="fp32",
+               one_minus_beta2="fp32", eps="fp32", weight_decay="fp32")
+    names = ["fp32", "bf16", "u8", "f8"]
+    cases = []
+    for grad, p16, master, m_kind, v_kind in ((tl.bfloat16, 1, 1, 2, 2), (tl.bfloat16, 1, 1, 0, 0),
+                                              (tl.bfloat16, 1, 0, 1, 1), (tl.float32, 0, 0, 3, 3),
+                                              (tl.bfloat16, 1, 1, 1, 3), (tl.float16, 2, 0, 2, 1)):
+        ce = dict(GRAD_DTYPE=grad, P16_KIND=p16, MASTER_KIND=master, M_KIND=m_kind, V_KIND=v_kind,
+                  HAS_GRAD_SCALE=True, HAS_FOUND_INF=True, ADAMW=True, MAXIMIZE=False, BLOCK_SIZE=BLOCK,
+                  N_ITERS=ITERS)
+        desc = (f"coded grad={grad} p16={['none', 'bf16', 'fp16'][p16]} master={['fp32', 'remainder'][master]} "
+                f"m={names[m_kind]} v={names[v_kind]}")
+        # 128-bit accesses: the fp32 arrays (master, fp32 moments) and 16-bit ones with 8 per thread are
+        # not available at 4 elements per thread; at least one wide load and store (fp32 arrays) when
+        # an fp32 array is present, else the check below is "no wide accesses required".
+        wide = int(master == 0 and p16 == 0) + (m_kind == 0) + (v_kind == 0)
+        opts = dict(LAUNCH_OPTIONS, streaming=True, min_wide_loads=wide, min_wide_stores=wide, max_shared=4096)
+        cases.append((fused_adam_coded_kernel, sig, ce, desc, opts))
+    return cases
+
+
+CODEGEN_CASES = _codegen_cases()

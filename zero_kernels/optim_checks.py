@@ -1,0 +1,39 @@
+"""The per-step checks of ``FusedAdam``/``FusedAdamW``: every bad hyper-parameter value or gradient
+of a group is reported, naming it, before any state changes (the optimizer runs them before it builds
+a plan or advances a step counter)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+def check_scalars(gi: int, group: dict[str, Any]) -> None:
+    """Hyper-parameters the kernels take as fp32 must fit in fp32 (torch.optim.AdamW raises too)."""
+    for k in ("lr", "eps", "weight_decay"):
+        v = group[k]
+        if not isinstance(v, Tensor) and abs(float(v)) > _FP32_MAX:
+            raise RuntimeError(f"param_groups[{gi}]['{k}'] = {v!r} cannot be converted to float32 "
+                               "without overflow (the kernels compute in fp32; torch.optim.AdamW "
+                               "raises the same); use a finite fp32 value")
+
+def check_grads(optimizer: str, gi: int, group: dict[str, Any], grads: list[Tensor | None]) -> None:
+    """Every bad gradient of group ``gi`` is reported, naming it, before any state changes."""
+    for pi, (p, g) in enumerate(zip(group["params"], grads)):
+        if g is None:
+            continue
+        where = f"param_groups[{gi}]['params'][{pi}]"
+        if g.is_sparse:
+            raise RuntimeError(f"{where} has a sparse gradient; {optimizer} does not "
+                               "support sparse gradients, please consider SparseAdam instead")
+        if g.shape != p.shape:
+            raise RuntimeError(f"{where}: gradient shape {tuple(g.shape)} does not match the "
+                               f"parameter's {tuple(p.shape)}")
+        if g.dtype != p.dtype:
+            raise RuntimeError(f"{where}: gradient dtype {g.dtype} does not match the "
+                               f"parameter's {p.dtype}")
+        if g.device != p.device:
+            raise RuntimeError(f"{where}: gradient on {g.device}, parameter on {p.device}")

@@ -1,0 +1,232 @@
+"""Coded optimizer states of FusedAdam / FusedAdamW ([Note: state formats] in hparams.py): creating and
+checking them, converting checkpoints between formats, and the step on the backends that run them.
+
+[Note: coded state dicts]
+With any non-default state format, ``opt.state[p]`` (and ``opt.state_dict()["state"][i]``) holds plain
+tensors only (``torch.load(weights_only=True)`` reads them), laid out by ``codecs.init_coded_state``:
+
+    step                fp32 0-d, on the parameter's device
+    exp_avg             fp32 | bf16 | uint8 codes | float8_e4m3fn codes, shaped like the parameter
+    exp_avg_scale       fp32 [ceil(numel / 256)] block scales; only with uint8 / float8_e4m3fn codes
+    exp_avg_sq          as exp_avg (its code book is unsigned: v >= 0)
+    exp_avg_sq_scale    as exp_avg_scale
+    master_param        fp32 master of a 16-bit parameter, or
+    master_remainder    int16 remainder of a bf16 parameter (store_param_remainders=True)
+
+The bf16 stochastic-rounding seed of a parameter is its position in the optimizer's parameter order
+(its id in ``state_dict()``), so a reloaded optimizer draws the same random bits.
+
+Loading a state dict saved in another format (torch.optim.AdamW or an fp32 FusedAdamW into a coded
+optimizer, or a coded one into an fp32 optimizer) CONVERTS each state exactly as the codecs define:
+decode to fp32 (``codecs.decode_moment``, ``join_remainder``), then encode into this optimizer's format
+(``codecs.encode_moment`` with the saved step and the parameter's seed, ``split_remainder``); one
+UserWarning says how many states were converted. A saved fp32 master that does not round to the model's
+bf16 parameter cannot become a remainder: that raises before anything is loaded (load the model's
+state dict first). Shapes that do not match raise before anything is loaded too.
+
+Backends: ``reference`` runs ``codecs.adam_step_coded`` per tensor (the definition); ``triton`` runs
+``kernels/adam_coded.py`` (one fused pass, bitwise equal to the reference). The C++ ``cpu`` and
+``cuda`` kernels do not implement coded states yet: asking for them raises; ``auto`` picks triton on
+CUDA and the reference on CPU (with a warning that the C++ kernel is not used).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import backends, codecs
+from ._launch_plan import local
+from .hparams import StateFormat, scalar_lr
+
+__all__ = ["new_state", "state_problem", "convert_state", "convert_state_dict", "is_coded_state", "resolve_backend",
+           "coded_work", "step_coded"]
+
+_TABLES = {"exp_avg": codecs.CODE_BOOKS[codecs.M_CODE], "exp_avg_sq": codecs.CODE_BOOKS[codecs.V_CODE]}
+_STREAM = {"exp_avg": 0, "exp_avg_sq": 1}
+_C_KERNELS = ("cpu", "cuda")
+
+
+def _init(p: Tensor, fmt: StateFormat) -> dict[str, Tensor]:
+    return codecs.init_coded_state(p.detach(), exp_avg_dtype=fmt.exp_avg_dtype, exp_avg_sq_dtype=fmt.exp_avg_sq_dtype,
+                                   store_param_remainders=fmt.store_param_remainders, min_8bit_size=fmt.min_8bit_size)
+
+
+def new_state(p: Tensor, fmt: StateFormat) -> dict[str, Tensor]:
+    """A fresh coded state for ``p`` ([Note: coded state dicts]), step on the parameter's device."""
+    state = _init(p, fmt)
+    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+    return state
+
+
+def state_problem(where: str, state: dict[str, Any], p: Tensor, fmt: StateFormat) -> str | None:
+    """Why ``state`` is not the coded state ``fmt`` gives ``p`` (keys, dtypes, shapes, devices), or None."""
+    want = _init(torch.empty(p.shape, dtype=p.dtype, device="meta"), fmt)
+    if set(state) != set(want):
+        return f"{where}: state keys {sorted(state)}, expected {sorted(want)} for {fmt}"
+    for k, w in want.items():
+        t = state[k]
+        if not isinstance(t, Tensor) or (k != "step" and (t.dtype != w.dtype or t.shape != w.shape)):
+            got = (t.dtype, tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
+            return f"{where}: state {k!r} is {got}, expected {(w.dtype, tuple(w.shape))}"
+        if k != "step" and (t.device != p.device or not t.is_contiguous()):
+            return f"{where}: state {k!r} must be contiguous on {p.device}, got {t.device}"
+    return None
+
+
+def is_coded_state(saved: dict[str, Any]) -> bool:
+    """A saved state that an fp32 optimizer must convert: codes with scales, or a remainder."""
+    return "master_remainder" in saved or any(k.endswith("_scale") for k in saved)
+
+
+def _check_saved(where: str, saved: dict[str, Any], p: Tensor) -> None:
+    for k, t in saved.items():
+        if k == "step":
+            continue
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{where}: state {k!r} is a {type(t).__name__}, not a tensor. Nothing was loaded.")
+        want = (-(-p.numel() // codecs.BLOCK),) if k.endswith("_scale") else tuple(p.shape)
+        if tuple(t.shape) != want:
+            raise ValueError(f"{where}: state {k!r} has shape {tuple(t.shape)}, expected {want} for the parameter "
+                             f"of shape {tuple(p.shape)}; was the state saved for another model? Nothing was loaded.")
+        if k in _TABLES and t.dtype in codecs.BLOCKWISE and k + "_scale" not in saved:
+            raise ValueError(f"{where}: state {k!r} holds {t.dtype} codes but no {k}_scale. Nothing was loaded.")
+
+
+def _same_layout(saved: dict[str, Any], target: dict[str, Tensor], key: str) -> bool:
+    return saved[key].dtype == target[key].dtype and ((key + "_scale") in saved) == ((key + "_scale") in target)
+
+
+def _convert_master(where: str, saved: dict[str, Any], p: Tensor, target: dict[str, Tensor]) -> bool:
+    """Fill target's master_param / master_remainder from the saved one; True when converted."""
+    if "master_remainder" in target:
+        if "master_remainder" in saved:
+            target["master_remainder"].copy_(saved["master_remainder"])
+            return False
+        if "master_param" not in saved:
+            return False                                  # torch's checkpoint: the bf16 parameter is the master
+        hi, rem = codecs.split_remainder(saved["master_param"].to(p.device, torch.float32))
+        same = (hi.view(torch.int16) == p.detach().view(torch.int16)) | (torch.isnan(hi) & torch.isnan(p.detach()))
+        if not bool(same.all()):
+            raise ValueError(f"{where}: the saved fp32 master_param does not round to the model's bf16 parameter, so "
+                             "it cannot be stored as a remainder of it; load the model's state dict (saved with this "
+                             "optimizer state) before the optimizer's. Nothing was loaded.")
+        target["master_remainder"].copy_(rem)
+        return True
+    if "master_param" in target:
+        if "master_param" in saved:
+            target["master_param"].copy_(saved["master_param"])
+            return False
+        if "master_remainder" in saved:
+            target["master_param"].copy_(codecs.join_remainder(p.detach(), saved["master_remainder"].to(p.device)))
+            return True
+    return False
+
+
+def convert_state(where: str, saved: dict[str, Any], p: Tensor, fmt: StateFormat, seed: int) -> tuple[dict, int]:
+    """(the state ``fmt`` gives ``p``, filled from ``saved``; how many tensors were converted between formats).
+    See [Note: coded state dicts]; raises ValueError (nothing loaded) on shapes that cannot be this parameter's."""
+    _check_saved(where, saved, p)
+    target = new_state(p, fmt)
+    step = saved.get("step", 0)
+    target["step"].fill_(float(step))
+    converted = 0
+    for key, table in _TABLES.items():
+        if key not in saved:
+            continue
+        if _same_layout(saved, target, key):
+            target[key].copy_(saved[key])
+            if key + "_scale" in target:
+                target[key + "_scale"].copy_(saved[key + "_scale"])
+            continue
+        x = codecs.decode_moment(saved, key, table).to(p.device, torch.float32)
+        sr = dict(seed=seed, step=int(float(step)), stream=_STREAM[key])
+        codecs.encode_moment(target, key, x, table, "stochastic", sr)
+        converted += int(saved[key].dtype != torch.float32 or target[key].dtype != torch.float32)
+    converted += _convert_master(where, saved, p, target)
+    return target, converted
+
+
+def convert_state_dict(state_dict: dict[str, Any], param_groups: list[dict], fmt: StateFormat) -> dict[str, Any]:
+    """``state_dict`` with every saved state in ``fmt`` (a new dict; the caller's is not modified). An fp32
+    optimizer (``fmt`` not coded) converts only saved coded states. Raises ValueError before anything is loaded."""
+    saved = state_dict["state"]
+    ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    params = [p for g in param_groups for p in g["params"]]
+    if len(ids) != len(params):
+        return state_dict                                  # torch's load_state_dict raises its own error
+    if fmt.coded and any(g.get("amsgrad", False) for g in state_dict["param_groups"]):
+        raise ValueError("the state dict's param_groups have amsgrad=True, which coded states do not support "
+                         "(max_exp_avg_sq has no coded format); set amsgrad=False in it. Nothing was loaded.")
+    out, n = dict(saved), 0
+    for seed, (p, sid) in enumerate(zip(params, ids)):
+        st = saved.get(sid)
+        if st is not None and (fmt.coded or is_coded_state(st)):
+            out[sid], k = convert_state(f"state_dict['state'][{sid}]", st, p, fmt, seed)
+            n += k
+    if n:
+        warnings.warn(f"load_state_dict converted {n} optimizer state tensors from the checkpoint's format to this "
+                      f"optimizer's ({fmt}) by decoding to fp32 and encoding with zero_kernels.codecs; the states are "
+                      "those codecs' rounding of the saved ones", UserWarning, stacklevel=3)
+    return {**state_dict, "state": out}
+
+
+def coded_work(param_groups: list[dict], state: dict, fmt: StateFormat) -> list[tuple]:
+    """[(group, device, params with a gradient, their seeds)] after checking every existing state (RuntimeError,
+    nothing changed); then creates the missing states."""
+    order = {id(p): i for i, p in enumerate(p for g in param_groups for p in g["params"])}
+    work = []
+    for gi, group in enumerate(param_groups):
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for pi, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            st = state.get(p)
+            why = state_problem(f"param_groups[{gi}]['params'][{pi}]", st, p, fmt) if st else None
+            if why is not None:
+                raise RuntimeError(f"{why}. No parameter was updated.")
+            by_device.setdefault(p.device, []).append(p)
+        work += [(group, dev, ps, [order[id(p)] for p in ps]) for dev, ps in by_device.items()]
+    for _, _, ps, _ in work:
+        for p in ps:
+            if not state.get(p):
+                state[p] = new_state(p, fmt)
+    return work
+
+
+def resolve_backend(request: str, device: torch.device) -> str:
+    """The backend that runs coded states on ``device`` ([Note: coded state dicts], last paragraph)."""
+    if request in _C_KERNELS:
+        raise NotImplementedError(
+            f"backend={request!r}: the C++ {request} kernel does not implement coded optimizer states "
+            "(exp_avg_dtype / exp_avg_sq_dtype / store_param_remainders) yet; use backend='triton' or 'reference'")
+    if request != "auto":
+        return backends.resolve(request, device)
+    if device.type == "cuda" and backends.why_unavailable("triton", device) is None:
+        return "triton"
+    warnings.warn(f"coded optimizer states on {device.type}: the C++ kernel does not implement them yet, the "
+                  "pure-torch reference runs them (slow); pass backend='reference' (or 'triton') to silence this",
+                  UserWarning, stacklevel=4)
+    return "reference"
+
+
+def step_coded(backend: str, params: list[Tensor], states: list[dict[str, Tensor]], seeds: list[int],
+               group: dict[str, Any], grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+    """One step of one parameter group's coded states (all on one device) on ``backend``; ``grad_scale`` is
+    GradScaler's loss scale (the gradients are divided by it), ``found_inf`` nonzero skips the step."""
+    device = params[0].device
+    gs = None if grad_scale is None else grad_scale.to(device, torch.float32).reshape(1).reciprocal()
+    fi = None if found_inf is None else found_inf.to(device, torch.float32).reshape(1)
+    grads = [local(p.grad) for p in params]
+    beta1, beta2 = (float(b) for b in group["betas"])
+    hp = dict(lr=scalar_lr(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
+              weight_decay=float(group["weight_decay"]), adamw=bool(group["decoupled_weight_decay"]),
+              maximize=bool(group["maximize"]))
+    if backend == "triton":
+        from .kernels.adam_coded import adam_step_coded_triton   # triton is optional: imported when used
+        adam_step_coded_triton(params, grads, states, seeds, grad_scale=gs, found_inf=fi, **hp)
+        return
+    for p, g, st, seed in zip(params, grads, states, seeds):
+        codecs.adam_step_coded(p.detach(), g, st, seed=seed, grad_scale=gs, found_inf=fi, **hp)
