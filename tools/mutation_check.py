@@ -64,6 +64,8 @@ SUITES = {
     "flatten_cpu": ["tests/test_cpu_kernel.py", "-k", "flatten"],
     # the coded-state Triton kernel (interpreted) against codecs.adam_step_coded, bit for bit
     "coded": ["tests/test_adam_coded.py", "-x", "-W", "ignore::RuntimeWarning"],
+    # the per-tensor Triton kernel behind torch.ops.zero_kernels.fused_adam_triton (the traced step)
+    "ops_triton": ["tests/test_compile.py", "-k", "triton or operator"],
 }
 
 # ----------------------------------------------------------------------------------------- faults
@@ -199,8 +201,11 @@ FAULTS = [
     ("cpp.v_uses_beta1", CPP, "c.h.omb2 = static_cast<float>(1.0 - beta2);",
      "c.h.omb2 = static_cast<float>(1.0 - beta1);", "cpu", "second moment with 1-beta1"),
     # --- found_inf: a nonzero found_inf skips the whole step
-    ("tri.found_inf_ignored", K, "if tl.load(found_inf_ptr) != 0:", "if tl.load(found_inf_ptr) < 0:",
-     "triton", "found_inf ignored"),
+    ("tri.found_inf_ignored", K, "if tl.load(found_inf_ptr) != 0:\n            return\n    t, start",
+     "if tl.load(found_inf_ptr) < 0:\n            return\n    t, start", "triton", "found_inf ignored"),
+    ("tri.found_inf_ignored.per_tensor", K, "if tl.load(found_inf_ptr) != 0:\n            return\n    start =",
+     "if tl.load(found_inf_ptr) < 0:\n            return\n    start =", "ops_triton",
+     "found_inf ignored (per-tensor kernel of the traced step)"),
     ("cpp.found_inf_ignored", CPP, "found_inf->data_ptr<float>()[0] != 0.0f", "found_inf->data_ptr<float>()[0] < 0.0f",
      "cpu", "found_inf ignored"),
     # --- bucket flatten: dst = (src * scale) [+ dst]
