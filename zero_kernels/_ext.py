@@ -141,24 +141,24 @@ def _call(fn: str, masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param
         grad_scale, found_inf)
 
 
-def fused_adam_cpu(
-    masters: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-    max_exp_avg_sqs: list[Tensor] | None, params16: list[Tensor] | None, coeffs: Tensor, *,
-    beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool, maximize: bool,
-    grad_scale: Tensor | None = None, found_inf: Tensor | None = None,
-) -> None:
+def _backend(name: str, doc: str):
+    """The Python entry point of the extension's ``name``: the contract's keyword signature."""
+    def fn(
+        masters: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+        max_exp_avg_sqs: list[Tensor] | None, params16: list[Tensor] | None, coeffs: Tensor, *,
+        beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool, maximize: bool,
+        grad_scale: Tensor | None = None, found_inf: Tensor | None = None,
+    ) -> None:
+        _call(name, masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, params16,
+              coeffs, beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf)
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = doc
+    return fn
+
+
+fused_adam_cpu = _backend(
+    "fused_adam_cpu",
     """The ``"cpu"`` backend: signature and semantics of :func:`zero_kernels.reference.fused_adam_ref`
-    (fp32 states, contiguous CPU tensors; the C++ front end checks and refuses anything else)."""
-    _call("fused_adam_cpu", masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, params16,
-          coeffs, beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf)
-
-
-def fused_adam_cuda(
-    masters: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-    max_exp_avg_sqs: list[Tensor] | None, params16: list[Tensor] | None, coeffs: Tensor, *,
-    beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool, maximize: bool,
-    grad_scale: Tensor | None = None, found_inf: Tensor | None = None,
-) -> None:
-    """The ``"cuda"`` backend: same contract as :func:`fused_adam_cpu`, CUDA tensors."""
-    _call("fused_adam_cuda", masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, params16,
-          coeffs, beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf)
+    (fp32 states, contiguous CPU tensors; the C++ front end checks and refuses anything else).""")
+fused_adam_cuda = _backend(
+    "fused_adam_cuda", """The ``"cuda"`` backend: same contract as :func:`fused_adam_cpu`, CUDA tensors.""")
