@@ -122,7 +122,11 @@ def _case_torch_clip(rank, world, stage, negative_control):
         if negative_control:            # what p.grad held before the fix: local grads (1), nothing (2-3)
             for p in model.parameters():
                 p.grad = local_grad(p)
-            assert _torch_clip_outcome(model, zopt, ref_params[s], ref_norms[s], clips[0]) == "silent"
+            if stage == 1:
+                assert _torch_clip_outcome(model, zopt, ref_params[s], ref_norms[s], clips[0]) == "silent"
+            else:                       # torch clips nothing (norm 0); the step now refuses the gradients
+                with pytest.raises(ShardedGradError, match="set to None"):   # p.grad lost: [Note: dropped
+                    _torch_clip_outcome(model, zopt, ref_params[s], ref_norms[s], clips[0])  # gradients]
             return
         grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
         assert grads and all(isinstance(g, ShardedGrad) for g in grads)   # `p.grad is None` checks see a gradient
@@ -267,3 +271,86 @@ def test_placeholder_keeps_no_gradient_alive_and_prints(stage):
     model.zero_grad()
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+# ---- gradients dropped from p.grad between backward and step ([Note: dropped gradients], hooks.py) ----
+def _loss(model, s=0):
+    idx, tgt = batch(s, 1)
+    return loss_fn(model, idx[:2], tgt[:2])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("how", ["model.zero_grad", "p.grad=None", "zero_grad+backward"])
+def test_gradient_dropped_after_backward_is_refused(stage, how):
+    """torch skips a parameter whose p.grad was dropped before step(); at stages 2-3 the gradient
+    already sits in the reduced slices, so the step refuses (ShardedGradError naming the parameter
+    and zopt.zero_grad()) before changing anything, instead of applying it silently. zopt.zero_grad()
+    then recovers, and the step equals a fresh optimizer's first step on the same batch."""
+    model = make_model()
+    zopt = _zopt(stage, model)
+    _loss(model).backward()
+    if how == "p.grad=None":
+        model.blocks[0].fc1.weight.grad = None
+    else:
+        model.zero_grad()
+        if how == "zero_grad+backward":         # torch: the step would use only the second batch
+            _loss(model, 1).backward()
+    before = _snapshot(model, zopt)
+    with pytest.raises(ShardedGradError, match=r"set to None .*zopt\.zero_grad\(\)"):
+        zopt.step()
+    with pytest.raises(ShardedGradError, match="set to None"):
+        zopt.clip_grad_norm_(1.0)
+    assert _same(before, _snapshot(model, zopt))
+    zopt.zero_grad()
+    _loss(model, 2).backward()
+    zopt.step()
+    fresh = make_model()
+    fopt = _zopt(stage, fresh)
+    _loss(fresh, 2).backward()
+    fopt.step()
+    assert _same(zopt.full_model_state_dict(), fopt.full_model_state_dict())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_negative_control_held_gradients_step(stage):
+    """What must not be refused: micro-batches accumulating, a create_graph backward (autograd
+    replaces p.grad by ``placeholder + new``), model.zero_grad() right after step() (Hugging Face's
+    Trainer), and torch code reading ``p.grad is None``."""
+    model = make_model()
+    zopt = _zopt(stage, model)
+    for s in range(2):
+        _loss(model, s).backward()
+        _loss(model, s + 1).backward(create_graph=(stage == 2 and s == 1))
+        assert isinstance(model.blocks[0].fc1.weight.grad, ShardedGrad)
+        zopt.step()
+        model.zero_grad()
+    assert zopt.steps[0] == 2
+
+
+def test_stage1_unscale_after_clip_is_refused():
+    """Stage 1 with torch.amp.GradScaler: ``zopt.clip_grad_norm_`` reduce-scatters the scaled
+    gradients; a later ``scaler.unscale_(zopt)`` cannot reach them (the step then applied
+    still-scaled slices with no unscale, silently). It raises before touching anything; the AMP
+    order (unscale_, clip, step) and clip without unscale_ both give the same parameters."""
+    results = []
+    for order in ["unscale-clip", "clip-only", "clip-unscale"]:
+        model = make_model()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        zopt = _zopt(1, model, loss_scale=scaler)
+        scaler.scale(_loss(model)).backward()
+        if order == "unscale-clip":
+            scaler.unscale_(zopt)
+        norm = zopt.clip_grad_norm_(MAX_NORM)
+        if order == "clip-unscale":
+            before = _snapshot(model, zopt)
+            with pytest.raises(ShardedGradError, match=r"before zopt\.clip_grad_norm_"):
+                scaler.unscale_(zopt)
+            assert _same(before, _snapshot(model, zopt))
+            continue
+        scaler.step(zopt)
+        scaler.update()
+        results.append((float(norm), {n: p.detach().clone() for n, p in model.named_parameters()}))
+    (n0, p0), (n1, p1) = results
+    assert n0 == pytest.approx(n1, rel=1e-6) and n0 > MAX_NORM
+    for k in p0:
+        torch.testing.assert_close(p0[k], p1[k], rtol=1e-6, atol=1e-7)

@@ -39,7 +39,7 @@ empty placeholder per parameter (no storage). ``zopt.zero_grad()`` and ``step()`
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -80,11 +80,15 @@ class ShardedGrad(Tensor):
     local gradient (None at stages 2-3)."""
 
     @staticmethod
-    def __new__(cls, param: Tensor, name: str, stage: int, local: Tensor | None = None):
+    def __new__(cls, param: Tensor, name: str, stage: int, local: Tensor | None = None,
+                reduced: Callable[[], bool] | None = None):
         return Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device)
 
-    def __init__(self, param: Tensor, name: str, stage: int, local: Tensor | None = None):
+    def __init__(self, param: Tensor, name: str, stage: int, local: Tensor | None = None,
+                 reduced: Callable[[], bool] | None = None):
         self.param_name, self.stage, self.local = name, stage, local
+        self.reduced = reduced      # stage 1: True once this step's gradients were reduce-scattered
+        self.replaced = False       # a create_graph backward replaced p.grad by ``self + new`` (_add)
 
     def __repr__(self) -> str:      # printing must not raise: it names what this is instead
         return (f"ShardedGrad(param={self.param_name!r}, stage={self.stage}, shape={tuple(self.shape)}: "
@@ -130,6 +134,7 @@ def _add(self, other, alpha=1):
     if not isinstance(self, ShardedGrad) or isinstance(other, ShardedGrad) or not _in_backward():
         return NotImplemented
     other = other if alpha == 1 else other * alpha
+    self.replaced = True
     return other if self.local is None else self.local + other
 
 
@@ -141,7 +146,19 @@ def _zero_(self):
 
 
 def _unscale_(grads, found_inf, inv_scale):
-    """GradScaler: unscale what p.grad really holds (stage 1); stages 2-3 hold nothing here."""
+    """GradScaler: unscale what p.grad really holds (stage 1); stages 2-3 hold nothing here.
+    Stage 1 after ``zopt.clip_grad_norm_`` reduce-scattered the (scaled) gradients: unscaling the
+    local ones cannot reach the slices, so it raises (a check with ``inv_scale == 1``, what
+    ``scaler.step`` does, is allowed)."""
+    late = [g for g in grads if isinstance(g, ShardedGrad) and g.reduced is not None and g.reduced()]
+    if late and float(inv_scale.reshape(-1)[0]) != 1.0:
+        raise ShardedGradError(
+            f"scaler.unscale_(zopt) after zopt.clip_grad_norm_ on a ZeRO-1 model (parameter "
+            f"{late[0].param_name!r}): clip_grad_norm_ already reduce-scattered the still-scaled gradients "
+            f"into ZeroAdamW's slices, which unscaling p.grad cannot reach. Call scaler.unscale_(zopt) "
+            f"before zopt.clip_grad_norm_ (the AMP recipe), or not at all: zopt.clip_grad_norm_ and the "
+            f"step know the scale from the GradScaler given as ZeroAdamW(..., loss_scale=scaler). "
+            f"Nothing was changed.")
     real = [g.local if isinstance(g, ShardedGrad) else g for g in grads]
     real = [g for g in real if g is not None]
     if real:
@@ -174,15 +191,15 @@ class Stage1GradGuard:
     wrapper each step (~10 us per parameter): one kept per parameter would keep the last local
     gradient alive after ``model.zero_grad()`` drops p.grad."""
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]]):
+    def __init__(self, named: list[tuple[str, nn.Parameter]], reduced: Callable[[], bool] | None = None):
+        self.reduced = reduced      # True once step()/clip_grad_norm_ reduce-scattered this step's gradients
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(n)) for n, p in named]
 
-    @staticmethod
-    def _hook(name: str):
+    def _hook(self, name: str):
         def hook(p: nn.Parameter) -> None:
             g = p.grad
             if g is not None and not isinstance(g, ShardedGrad):
-                p.grad = ShardedGrad(p, name, 1, local=g)
+                p.grad = ShardedGrad(p, name, 1, local=g, reduced=self.reduced)
         return hook
 
     def remove(self) -> None:

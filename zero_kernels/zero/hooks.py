@@ -39,6 +39,12 @@
    the gradient slice's own size (so a one-bucket model keeps none); memory_report() lists them
    as ``comm_buffers``. At most ``max_inflight`` reduce-scatters stay in flight during backward
    (see ``_reap``), so few buffers are live at once.
+7. [Note: dropped gradients] The reduced gradient lives in the slices, so ``model.zero_grad()`` or
+   ``p.grad = None`` between backward and step cannot drop it (torch's step would then skip the
+   parameter; ours would still apply it, silently). The reducer remembers which parameters'
+   gradients it holds (``holding``, cleared by ``zero_grad()`` and by the step that consumes them)
+   and ``step()`` raises ShardedGradError, before anything changes, when one of them no longer has
+   its placeholder in p.grad, or had it dropped and refilled by a later backward (``dropped``).
 """
 from __future__ import annotations
 
@@ -50,7 +56,7 @@ from torch.autograd import Variable
 
 from . import collectives as C
 from .buckets import FlatBucket
-from .grad_guard import ShardedGrad, take_grad
+from .grad_guard import ShardedGrad, ShardedGradError, take_grad
 from .mesh import ZeroMesh, reduce_scatter
 
 __all__ = ["Stage2Reducer"]
@@ -89,6 +95,10 @@ class Stage2Reducer:
         self.timeout = timeout              # ZeroAdamW(timeout=...): bounded waits during backward too
         self._pool_numel = max((b.spec.padded_numel for b in buckets), default=0)
         self._placeholders: dict[tuple[int, int], ShardedGrad] = {}   # p.grad after its gradient arrived
+        # [Note: dropped gradients] parameters whose gradient arrived since the last zero_grad()/step
+        # (their placeholder must still be p.grad at step()), and the first one found dropped
+        self.holding: dict[tuple[int, int], torch.nn.Parameter] = {}
+        self.dropped: str | None = None
 
     def set_expected(self, flags_per_bucket: list[list[bool]]) -> None:
         self.expected = flags_per_bucket
@@ -134,11 +144,15 @@ class Stage2Reducer:
         if not self.in_backward:
             self.in_backward = True
             Variable._execution_engine.queue_callback(self.post_backward)
+        key = (b.index, li)
+        if key in self.holding and self.dropped is None and not self._held(key, p):
+            self.dropped = b.param_specs[li].name       # p.grad was dropped, then a backward refilled it
         g = take_grad(p)
         if g is None:
             return
         self.mark_grad(b.index, li)
         p.grad = self._placeholder(b, li, p)
+        self.holding[key] = p
         if b.reduce.launched:                      # late: its bucket already left (see note, point 4)
             if b.reduce.late_acc is None:
                 b.reduce.late_acc = torch.zeros(b.spec.padded_numel, dtype=self.reduce_dtype, device=b.device)
@@ -158,7 +172,32 @@ class Stage2Reducer:
         ph = self._placeholders.get((b.index, li))
         if ph is None:
             ph = self._placeholders[(b.index, li)] = ShardedGrad(p, b.param_specs[li].name, self.stage)
+        ph.replaced = False
         return ph
+
+    def _held(self, key: tuple[int, int], p: torch.nn.Parameter) -> bool:
+        """p.grad still stands for the gradient the slices hold: it is the placeholder, or autograd
+        replaced it by ``placeholder + new`` (a ``create_graph=True`` backward, grad_guard._add)."""
+        ph = self._placeholders.get(key)
+        return ph is not None and (p.grad is ph or ph.replaced)
+
+    def check_held(self) -> None:
+        """step(): refuse, before anything changes, to apply a gradient the caller dropped from p.grad
+        ([Note: dropped gradients])."""
+        name = self.dropped
+        if name is None:
+            for key, p in self.holding.items():
+                if not (p.grad is self._placeholders[key]):
+                    name = self._placeholders[key].param_name
+                    break
+        if name is not None:
+            raise ShardedGradError(
+                f"p.grad of parameter {name!r} was set to None (model.zero_grad(), another optimizer's "
+                f"zero_grad() or p.grad = None) between backward and step() on a ZeRO-{self.stage} model, "
+                f"but its gradient had already been reduced into ZeroAdamW's sharded slices, which that "
+                f"cannot reach: this step would still apply it. Nothing was changed. Drop gradients with "
+                f"zopt.zero_grad() (it clears the slices), or call model.zero_grad() only after step() "
+                f"(step() consumes the gradients); call zopt.zero_grad() now to continue.")
 
     def _add_grad(self, b: FlatBucket, li: int, g: torch.Tensor) -> None:
         """Put parameter li's gradient into b's accumulation buffer: copied when it is li's first
@@ -223,6 +262,8 @@ class Stage2Reducer:
     def zero_grad(self, set_to_none: bool) -> None:
         """Drop the reduced gradients (the slice storage is kept for the next backward, note 5)."""
         self.clear()
+        self.holding.clear()
+        self.dropped = None
         for b in self.buckets:
             r = b.reduce
             if set_to_none:

@@ -134,6 +134,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         coefficient is folded into the next step's grad_scale (no pass over the gradients). torch's own
         ``clip_grad_norm_(model.parameters(), ...)`` raises ShardedGradError naming this method
         ([Note: gradient placeholders] in grad_guard.py)."""
+        self.strategy.check_grads()
         self._reduce_all()
         total = global_norm(self.buckets, self.rank, float(norm_type), self.process_group, self._device)
         ls = self.scaling.current_scale()
@@ -167,6 +168,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.strategy.check_grads()                     # [Note: dropped gradients] (hooks.py)
         self.strategy.start_reduction()
         active = self._active()
         if bool(active.any()):

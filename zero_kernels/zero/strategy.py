@@ -8,6 +8,7 @@ that differ:
   ``exchange_flags()``: the one per-step all-reduce of "had a gradient" flags (int32 [num params]);
   ``after_bucket_step(b)`` / ``end_step()``: publish updated slices (stages 1-2 all-gather into
       the parameters, stage 3 frees any gathered copy: the next forward gathers);
+  ``check_grads()``: refuse gradients the caller dropped from p.grad after backward;
   ``zero_grad``, ``no_sync``, ``wait_for_params``, ``refresh_params`` (after a load),
   ``full_flat(b)`` (full fp32 values of a bucket), ``memory_report``, ``remove``.
 :class:`Stage1` and :class:`Stage2` live here, :class:`~.stage3.Stage3` in stage3.py.
@@ -123,7 +124,8 @@ class Stage1(_GatheredParams):
         super().__init__(ctx)
         self.reducer = Stage1Reducer(ctx.buckets, ctx.group, ctx.config.reduce_dtype, ctx.config.overlap_comm,
                                      ctx.mesh)
-        self.guard = Stage1GradGuard([(ps.name, p) for b in ctx.buckets for ps, p in zip(b.param_specs, b.params)])
+        self.guard = Stage1GradGuard([(ps.name, p) for b in ctx.buckets for ps, p in zip(b.param_specs, b.params)],
+                                     reduced=lambda: self.reducer.launched)
 
     def remove(self) -> None:
         super().remove()
@@ -136,6 +138,9 @@ class Stage1(_GatheredParams):
     def zero_grad(self, set_to_none: bool) -> None:
         self.reducer.finish_step()
         self.reducer.zero_grad(set_to_none)
+
+    def check_grads(self) -> None:
+        pass                        # p.grad holds the local gradients themselves until step()
 
     def start_reduction(self) -> None:
         self.reducer.launch_all()   # every reduce-scatter now; they complete while buckets step
@@ -190,6 +195,9 @@ class HookReduced:
         self.reducer.zero_grad(set_to_none)
         if set_to_none:
             self.had_grad = [0] * len(self.had_grad)
+
+    def check_grads(self) -> None:
+        self.reducer.check_held()   # [Note: dropped gradients] in hooks.py
 
     def start_reduction(self) -> None:
         self.reducer.launch_unlaunched()
