@@ -23,7 +23,7 @@ from test_zero import B, batch, loss_fn, make_model  # noqa: E402
 import zero_kernels as zk  # noqa: E402
 from zero_kernels.zero import collectives as C  # noqa: E402
 from zero_kernels.codecs import BLOCK, CODE_BOOKS, decode_q8, encode_q8  # noqa: E402
-from zero_kernels.zero.qgz import quantized_average_reference, quantized_reduce_scatter  # noqa: E402
+from zero_kernels.zero.qgz import quantized_average, quantized_average_reference, quantized_reduce_scatter  # noqa: E402
 from zero_kernels.zero.qwz import QWZ_CODE, quantized_all_gather  # noqa: E402
 
 
@@ -83,6 +83,31 @@ def _rs_cases(rank, world):
 
 def test_qgz_reduce_scatter_world3():
     run_world(_rs_cases, 3, timeout=300)
+
+
+def _replica_average_cases(rank, world):
+    """Hierarchical qgZ's replica exchange ([Note: hierarchical qgZ]): every rank ends with the same bits,
+    within the two quantization steps of the exact average, and the values did change (negative control:
+    not the exact all-reduce)."""
+    for numel in (2 * BLOCK * world + 37, BLOCK - 3):
+        mine = _values(numel, 1, seed=7 * rank + numel)
+        t = mine.clone()
+        quantized_average(t, None)
+        everyone = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(everyone, t)
+        assert all(torch.equal(e, t) for e in everyone), "ranks must hold bit-identical averages"
+        inputs = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(inputs, mine)
+        exact = torch.stack(inputs).sum(0) / world
+        m = torch.stack(inputs).abs().max()
+        err = (t - exact).abs()
+        assert float(err.max()) <= 2 * float(m) / 254, float(err.max())
+        assert bool((err > 0).any()), "negative control: the codes must carry quantization error"
+        assert not torch.equal(t, mine)
+
+
+def test_qgz_replica_average_world3():
+    run_world(_replica_average_cases, 3, timeout=300)
 
 
 def _train_cases(rank, world, options):

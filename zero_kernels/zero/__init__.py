@@ -21,6 +21,7 @@ One concept per file (after FSDP2's ``_fully_shard/``); the ``[Note: ...]`` bloc
     collectives.py  stateless reduce-scatter / all-gather returning NamedTuples ([Note: gloo
                     collectives], [Note: communication device])
     timeouts.py     bounded waits, the timeout decorator ([Note: collective timeouts])
+    wire.py         bytes each collective sends, per link class: comm_report() ([Note: bytes on the wire])
     stage3.py       the stage-3 strategy and reducer ([Note: stage-3 hooks])
     units.py        stage-3 units ([Note: stage-3 units])
     unit_bucket.py  stage-3 storage and the gather cache ([Note: stage-3 storage])

@@ -2,7 +2,8 @@
 
 Every function takes the group explicitly and holds no state, so stage 3 units and checkpoint code
 can reuse them. ``TRACE`` (None, or a list the caller installs) records ``(kind, tag, time)`` when
-a collective is *issued*; tests use it to show reduce-scatters start before backward ends.
+a collective is *issued*; tests use it to show reduce-scatters start before backward ends. Every
+collective also counts the bytes it sends ([Note: bytes on the wire] in wire.py).
 
 [Note: reduced gradients are averages]
 A reduced gradient slice holds the group AVERAGE (``ReduceOp.AVG``, as DDP does); where a backend
@@ -45,6 +46,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .timeouts import CollectiveTimeoutError, current_timeout, timeout_scope, wait_work
+from .wire import record_collective, record_sends
 
 __all__ = ["ReduceScatterResult", "AllGatherResult", "broadcast_from_first", "reduce_scatter_bucket", "all_gather_bucket",
            "all_reduce_tensor", "wait", "TRACE", "group_rank", "group_size", "timeout_scope",
@@ -171,6 +173,8 @@ def _p2p_reduce_scatter(flat: Tensor, output: Tensor, group, n: int, r: int, tag
         works.append(dist.irecv(buf, _peer(group, src), group=group, tag=t))
         works.append(dist.isend(flat[dst * shard:(dst + 1) * shard], _peer(group, dst), group=group, tag=t))
         bufs.append(buf)
+    record_sends("reduce_scatter", group, [(_peer(group, (r + k) % n), shard * flat.element_size())
+                                           for k in range(1, n)])     # [Note: bytes on the wire]
 
     def fin():                              # sum order: own + (r-1) + (r-2) + ... (a + b == b + a)
         output.add_(bufs[0] if in_place else own)
@@ -190,6 +194,8 @@ def _p2p_all_gather(flat: Tensor, group, n: int, r: int, tag: Any):
         src, dst = (r - k) % n, (r + k) % n
         works.append(dist.irecv(flat[src * shard:(src + 1) * shard], _peer(group, src), group=group, tag=t))
         works.append(dist.isend(own, _peer(group, dst), group=group, tag=t))
+    record_sends("all_gather", group, [(_peer(group, (r + k) % n), shard * flat.element_size())
+                                       for k in range(1, n)])
     return _Works(works)
 
 
@@ -235,6 +241,7 @@ def reduce_scatter_bucket(flat: Tensor, output: Tensor, group=None, async_op: bo
             return ReduceScatterResult(output, None, tag)
         return ReduceScatterResult(output, work, tag, fin)
     if mode == "allreduce":
+        record_collective("reduce_scatter", group, flat.numel() * flat.element_size(), algorithm="all_reduce")
         work = dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
 
         def fin():
@@ -244,6 +251,7 @@ def reduce_scatter_bucket(flat: Tensor, output: Tensor, group=None, async_op: bo
             fin()
             return ReduceScatterResult(output, None, tag)
         return ReduceScatterResult(output, work, tag, fin)
+    record_collective("reduce_scatter", group, flat.numel() * flat.element_size())
     try:
         work = _rs(output, flat, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
         fin = None
@@ -281,9 +289,11 @@ def all_gather_bucket(flat: Tensor, rank: int, group=None, async_op: bool = True
     if mode == "allreduce":
         flat[:rank * shard].zero_()
         flat[(rank + 1) * shard:].zero_()
+        record_collective("all_gather", group, flat.numel() * flat.element_size(), algorithm="all_reduce")
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
         return AllGatherResult(flat, work, tag)
     inp = flat[rank * shard:(rank + 1) * shard]
+    record_collective("all_gather", group, flat.numel() * flat.element_size())
     work = _ag(flat, inp, group=group, async_op=async_op)
     return AllGatherResult(flat, work, tag)
 
@@ -300,6 +310,7 @@ def all_reduce_tensor(t: Tensor, op=dist.ReduceOp.SUM, group=None, async_op: boo
         all_reduce_tensor(moved, op, group)
         t.copy_(moved)
         return None
+    record_collective("all_reduce", group, t.numel() * t.element_size())
     if not async_op and current_timeout() is not None:   # bounded wait (see [Note: collective timeouts])
         wait_work(dist.all_reduce(t, op=op, group=group, async_op=True), "all_reduce")
         return None
@@ -320,6 +331,7 @@ def broadcast_from_first(tensors: list[Tensor], group=None) -> None:
     for (device, _), ts in by_kind.items():
         _trace("broadcast", None)
         flat = torch.cat([t.detach().reshape(-1) for t in ts]).to(comm_device(group, device))
+        record_collective("broadcast", group, flat.numel() * flat.element_size())
         work = dist.broadcast(flat, src=_peer(group, 0), group=group, async_op=True)
         wait_work(work, "broadcast") if current_timeout() is not None else work.wait()
         off = 0

@@ -25,7 +25,8 @@ Checkpoints: the rows hold identical shards, so only the first row writes them (
 changes nothing on any row (:meth:`ZeroMesh.any_replica`). Ordering: the replicate all-reduce is a
 collective every rank must issue at the same point, so it runs in the reduce-scatter's finalize and
 the handle never reports early completion (:class:`_InOrder`). qgZ (``quantize_grads``) rides on the
-mesh because it changes this same reduce-scatter (qgz.py); the replicate all-reduce stays exact.
+mesh because it changes this same reduce-scatter (qgz.py) and, under hybrid sharding, the replicate
+average too ([Note: hierarchical qgZ]: int8 codes across nodes as well).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import collectives as C
-from .qgz import quantized_reduce_scatter
+from .qgz import quantized_average, quantized_reduce_scatter
 
 __all__ = ["ZeroMesh", "resolve_mesh", "reduce_scatter", "all_reduce_everywhere", "broadcast_from_first",
            "replicate_average", "MESH_DIM_NAMES"]
@@ -113,8 +114,11 @@ def resolve_mesh(mesh, process_group) -> ZeroMesh:
 
 
 def replicate_average(t: Tensor, mesh: ZeroMesh) -> None:
-    """Average ``t`` in place across the replicate group (bounded by the enclosing timeout scope)."""
-    if mesh.replicate_size > 1:
+    """Average ``t`` in place across the replicate group (bounded by the enclosing timeout scope);
+    with qgZ in int8 codes ([Note: hierarchical qgZ] in qgz.py)."""
+    if mesh.replicate_size > 1 and mesh.quantize_grads:
+        quantized_average(t, mesh.replicate_group)
+    elif mesh.replicate_size > 1:
         C.all_reduce_tensor(t, op=dist.ReduceOp.SUM, group=mesh.replicate_group)
         t.div_(mesh.replicate_size)
 

@@ -22,6 +22,7 @@ from .step import global_norm, step_bucket
 from .strategy import Stage1, Stage2, StrategyContext
 from .timeouts import bounded_by_timeout
 from .unit_bucket import empty_gather_cache
+from .wire import WireMeter
 
 __all__ = ["ZeroAdamW", "ZeroAdam"]
 
@@ -72,6 +73,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._step_supports_amp_scaling = True          # torch.amp.GradScaler protocol ([Note: non-finite gradients])
         self._clip_coef: Tensor | None = None
         self._active_cache: Tensor | None = None
+        self.wire = WireMeter(zmesh.groups)             # [Note: bytes on the wire] (wire.py)
 
     # ---- torch.optim.Optimizer plumbing -------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -103,6 +105,12 @@ class ZeroAdamW(torch.optim.Optimizer):
     def no_sync(self):
         """Accumulate gradients locally (no communication) for all but the last micro-batch."""
         return self.strategy.no_sync()
+
+    def comm_report(self) -> dict[str, Any]:
+        """Bytes this rank sent on the optimizer's groups, per link class ("intra" / "inter" node)
+        and collective kind: ``last_step`` (from the end of the previous step to the end of the last,
+        its backward included) and ``total`` (since construction) ([Note: bytes on the wire])."""
+        return self.wire.report()
 
     def gathered(self) -> contextlib.AbstractContextManager:
         """Collective: every parameter full-size inside the block (stage 3 gathers all units and frees
@@ -177,6 +185,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             if not skip:                                # every rank skips alike: nothing changes
                 self._apply(active, inv_loss_scale)
         self.strategy.finish_step()
+        self.wire.mark()
         self._clip_coef = None
         self._active_cache = None
         return loss
