@@ -24,7 +24,7 @@ import zero_kernels as zk  # noqa: E402
 from zero_kernels.zero import collectives as C  # noqa: E402
 from zero_kernels.codecs import BLOCK, CODE_BOOKS, decode_q8, encode_q8  # noqa: E402
 from zero_kernels.zero.qgz import quantized_average, quantized_average_reference, quantized_reduce_scatter  # noqa: E402
-from zero_kernels.zero.qwz import QWZ_CODE, quantized_all_gather  # noqa: E402
+from zero_kernels.zero.qwz import QWZ_CODE, encode_wire, quantized_all_gather  # noqa: E402
 
 
 def _values(shard: int, n: int, seed: int) -> torch.Tensor:
@@ -33,6 +33,30 @@ def _values(shard: int, n: int, seed: int) -> torch.Tensor:
     x[-5:] = 0.0                                                                          # padding
     x[BLOCK:2 * BLOCK] = 0.0                                                              # an all-zero block
     return x
+
+
+def test_encode_wire_equals_codec_bit_for_bit():
+    """qwZ/qgZ's arithmetic encoder == codecs.encode_q8 (torch.bucketize over the midpoints) on random
+    values, every midpoint and its fp32 neighbours (the ties), the book's own values, zeros, +-inf and
+    NaN in blocks, odd sizes; negative control: the plain rounding guess without the midpoint
+    correction differs."""
+    table = CODE_BOOKS[QWZ_CODE]
+    mid = (table[:-1] + table[1:]) / 2
+    edge = torch.cat([mid, torch.nextafter(mid, torch.tensor(2.0)), torch.nextafter(mid, torch.tensor(-2.0)),
+                      table, torch.tensor([0.0, -0.0, 1.0, -1.0])])
+    g = torch.Generator().manual_seed(11)
+    blocks = [edge[i:i + BLOCK - 1] for i in range(0, edge.numel(), BLOCK - 1)]
+    x = torch.cat([torch.cat([b, torch.tensor([1.0])]) for b in blocks])          # absmax 1: y = x exactly
+    x = torch.cat([x, torch.randn(5 * BLOCK + 77, generator=g) * 3, torch.zeros(BLOCK),
+                   torch.tensor([float("nan"), 1.0, float("inf"), -2.0])])
+    for t in (x, x[:BLOCK - 3], x.view(-1)[7:]):
+        c_ref, s_ref = encode_q8(t, table)
+        c, s = encode_wire(t, table)
+        assert torch.equal(s, s_ref) or torch.equal(s.nan_to_num(), s_ref.nan_to_num())
+        assert torch.equal(c, c_ref), int((c != c_ref).sum())
+    y = x[:len(blocks) * BLOCK]
+    guess = torch.floor(y * 127.0 + 127.5).clamp(0, 255).to(torch.uint8)
+    assert not torch.equal(guess, encode_q8(y, table)[0]), "negative control: the ties need the correction"
 
 
 def _gather_cases(rank, world):

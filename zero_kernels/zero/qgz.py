@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ..codecs import BLOCK, CODE_BOOKS, decode_q8, encode_q8
 from . import collectives as C
-from .qwz import QWZ_CODE, Both
+from .qwz import QWZ_CODE, Both, encode_wire
 from .wire import record_sends
 
 __all__ = ["quantized_reduce_scatter", "quantized_average_reference", "quantized_average"]
@@ -41,7 +41,7 @@ __all__ = ["quantized_reduce_scatter", "quantized_average_reference", "quantized
 
 def _encode_slices(flat: Tensor, n: int, table: Tensor) -> tuple[Tensor, Tensor]:
     sn = flat.numel() // n
-    pairs = [encode_q8(flat[j * sn:(j + 1) * sn], table) for j in range(n)]
+    pairs = [encode_wire(flat[j * sn:(j + 1) * sn], table) for j in range(n)]
     return torch.cat([c for c, _ in pairs]), torch.cat([s for _, s in pairs])
 
 
@@ -109,7 +109,7 @@ def quantized_average(t: Tensor, group) -> None:
     piece = torch.empty(sn, dtype=torch.float32, device=t.device)
     C.wait(quantized_reduce_scatter(flat, piece, group, True, "qgZ replica"))
     table = CODE_BOOKS[QWZ_CODE].to(t.device)
-    own_codes, own_scales = encode_q8(piece, table)
+    own_codes, own_scales = encode_wire(piece, table)
     nb = own_scales.numel()
     codes = torch.empty(n * sn, dtype=torch.uint8, device=t.device)
     scales = torch.empty(n * nb, dtype=torch.float32, device=t.device)
