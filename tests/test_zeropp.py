@@ -178,6 +178,23 @@ def test_qwz_gather_world2():
     run_world(_gather_cases, 2, timeout=300)
 
 
+def _wire_kernel_cases(rank, world):
+    """The same checks with the Triton wire codec kernels (kernels/quant.py, interpreted) encoding and
+    decoding: the same bits as the torch path (the checks compare with the codec reference)."""
+    from zero_kernels.zero import qwz
+    qwz.WIRE_BACKEND = "triton"
+    try:
+        _gather_cases(rank, world)
+        _rs_cases(rank, world)
+        _replica_average_cases(rank, world)
+    finally:
+        qwz.WIRE_BACKEND = "auto"
+
+
+def test_wire_kernels_in_the_collectives_world2():
+    run_world(_wire_kernel_cases, 2, timeout=300)
+
+
 def test_qwz_gather_world3():
     run_world(_gather_cases, 3, timeout=300)
 

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..codecs import BLOCK, CODE_BOOKS, decode_q8, encode_q8
+from ..codecs import BLOCK, CODE_BOOKS, encode_q8
 from . import collectives as C
-from .qwz import QWZ_CODE, Both, encode_wire
+from .qwz import QWZ_CODE, Both, wire_decode, wire_encode
 from .wire import record_sends
 
 __all__ = ["quantized_reduce_scatter", "quantized_average_reference", "quantized_average"]
@@ -41,7 +41,7 @@ __all__ = ["quantized_reduce_scatter", "quantized_average_reference", "quantized
 
 def _encode_slices(flat: Tensor, n: int, table: Tensor) -> tuple[Tensor, Tensor]:
     sn = flat.numel() // n
-    pairs = [encode_wire(flat[j * sn:(j + 1) * sn], table) for j in range(n)]
+    pairs = [wire_encode(flat[j * sn:(j + 1) * sn], table) for j in range(n)]
     return torch.cat([c for c, _ in pairs]), torch.cat([s for _, s in pairs])
 
 
@@ -51,7 +51,7 @@ def _accumulate(own: Tensor, codes: Tensor, scales: Tensor, rank: int, n: int, t
     acc = own.float().clone()
     for j in range(n):
         if j != rank:
-            acc += decode_q8(codes[j * sn:(j + 1) * sn], scales[j * nb:(j + 1) * nb], table)
+            wire_decode(codes[j * sn:(j + 1) * sn], scales[j * nb:(j + 1) * nb], table, acc)
     return acc.div_(n)
 
 
@@ -109,7 +109,7 @@ def quantized_average(t: Tensor, group) -> None:
     piece = torch.empty(sn, dtype=torch.float32, device=t.device)
     C.wait(quantized_reduce_scatter(flat, piece, group, True, "qgZ replica"))
     table = CODE_BOOKS[QWZ_CODE].to(t.device)
-    own_codes, own_scales = encode_wire(piece, table)
+    own_codes, own_scales = wire_encode(piece, table)
     nb = own_scales.numel()
     codes = torch.empty(n * sn, dtype=torch.uint8, device=t.device)
     scales = torch.empty(n * nb, dtype=torch.float32, device=t.device)
@@ -118,5 +118,5 @@ def quantized_average(t: Tensor, group) -> None:
     C.wait(C.all_gather_bucket(codes, r, group, True, ("qgZ replica codes",)))
     C.wait(C.all_gather_bucket(scales, r, group, True, ("qgZ replica scales",)))
     for j in range(n):              # every piece decoded from its codes, the own one too
-        flat[j * sn:(j + 1) * sn].copy_(decode_q8(codes[j * sn:(j + 1) * sn], scales[j * nb:(j + 1) * nb], table))
+        flat[j * sn:(j + 1) * sn].copy_(wire_decode(codes[j * sn:(j + 1) * sn], scales[j * nb:(j + 1) * nb], table))
     t.copy_(flat[:t.numel()].view_as(t))

@@ -26,10 +26,47 @@ from torch import Tensor
 from ..codecs import BLOCK, CODE_BOOKS, decode_q8, midpoints
 from . import collectives as C
 
-__all__ = ["QWZ_CODE", "quantized_all_gather", "qwz_bytes", "encode_wire"]
+__all__ = ["QWZ_CODE", "quantized_all_gather", "qwz_bytes", "encode_wire", "wire_encode", "wire_decode",
+           "WIRE_BACKEND"]
 
 QWZ_CODE = "linear_signed"
 _MID_EXT: dict = {}             # device -> [-inf, the 255 midpoints of the book, +inf]
+# Who encodes and decodes the wire codes: "auto" = the Triton kernels of kernels/quant.py for CUDA
+# tensors ([Note: the wire codec kernels]), torch ops (encode_wire / codecs.decode_q8) on CPU;
+# "triton" / "torch" force one (tests run the kernels interpreted on CPU tensors). Same bits either way.
+WIRE_BACKEND = "auto"
+
+
+def _mid_ext(device) -> Tensor:
+    mid = _MID_EXT.get(device)
+    if mid is None:
+        inf = torch.full((1,), float("inf"), device=device)
+        mid = _MID_EXT[device] = torch.cat([-inf, midpoints(CODE_BOOKS[QWZ_CODE].to(device)), inf])
+    return mid
+
+
+def _triton(t: Tensor) -> bool:
+    return WIRE_BACKEND == "triton" or (WIRE_BACKEND == "auto" and t.is_cuda)
+
+
+def wire_encode(x: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
+    """(uint8 codes, fp32 block scales) of x with the qwZ/qgZ book (``codecs.encode_q8``'s bits)."""
+    if _triton(x):
+        from ..kernels.quant import q8_encode_triton      # triton is imported only where it runs
+        return q8_encode_triton(x.float().contiguous(), _mid_ext(x.device)[1:-1])
+    return encode_wire(x, table)
+
+
+def wire_decode(codes: Tensor, scales: Tensor, table: Tensor, acc: Tensor | None = None) -> Tensor:
+    """``codecs.decode_q8`` (fp32), or ``acc += it`` in place when ``acc`` (fp32, contiguous) is given."""
+    if _triton(codes):
+        from ..kernels.quant import q8_decode_triton
+        if acc is not None:
+            return q8_decode_triton(codes, scales, table, acc, accumulate=True)
+        return q8_decode_triton(codes, scales, table, torch.empty(codes.shape, dtype=torch.float32,
+                                                                 device=codes.device))
+    out = decode_q8(codes, scales, table)
+    return out if acc is None else acc.add_(out)
 
 
 def encode_wire(x: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
@@ -42,11 +79,7 @@ def encode_wire(x: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
     xb = torch.nn.functional.pad(x.reshape(-1).float(), (0, nb * BLOCK - n)).view(nb, BLOCK)
     scale = xb.abs().amax(dim=1)
     y = torch.where(scale[:, None] == 0, 0.0, xb / scale[:, None])
-    mid = _MID_EXT.get(y.device)
-    if mid is None:
-        m = midpoints(table.to(y.device))
-        inf = torch.full((1,), float("inf"), device=y.device)
-        mid = _MID_EXT[y.device] = torch.cat([-inf, m, inf])
+    mid = _mid_ext(y.device)
     c = torch.floor(y * 127.0 + 127.5).nan_to_num_(255.0).clamp_(0, 255).long()
     c -= (mid[c] >= y).long()                   # mid[c] is the book's midpoint c - 1 (below the guess)
     c += (mid[c + 1] < y).long()                # mid[c + 1] is midpoint c (above it)
@@ -85,7 +118,7 @@ def quantized_all_gather(flat: Tensor, rank: int, group=None, async_op: bool = T
     table = CODE_BOOKS[QWZ_CODE].to(flat.device)
     codes = torch.empty(n * sn, dtype=torch.uint8, device=flat.device)
     scales = torch.empty(n * nb, dtype=torch.float32, device=flat.device)
-    own_codes, own_scales = encode_wire(flat[rank * sn:(rank + 1) * sn], table)
+    own_codes, own_scales = wire_encode(flat[rank * sn:(rank + 1) * sn], table)
     codes[rank * sn:(rank + 1) * sn].copy_(own_codes)
     scales[rank * nb:(rank + 1) * nb].copy_(own_scales)
     g_codes = C.all_gather_bucket(codes, rank, group, True, ("qwZ codes", tag))
@@ -94,7 +127,7 @@ def quantized_all_gather(flat: Tensor, rank: int, group=None, async_op: bool = T
     def decode():
         for j in range(n):
             if j != rank:
-                flat[j * sn:(j + 1) * sn].copy_(decode_q8(codes[j * sn:(j + 1) * sn],
+                flat[j * sn:(j + 1) * sn].copy_(wire_decode(codes[j * sn:(j + 1) * sn],
                                                           scales[j * nb:(j + 1) * nb], table))
     res = C.AllGatherResult(flat, Both(g_codes.work, g_scales.work), tag, decode)
     if not async_op:
