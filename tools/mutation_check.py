@@ -66,6 +66,9 @@ SUITES = {
     "coded": ["tests/test_adam_coded.py", "-x", "-W", "ignore::RuntimeWarning"],
     # the per-tensor Triton kernel behind torch.ops.zero_kernels.fused_adam_triton (the traced step)
     "ops_triton": ["tests/test_compile.py", "-k", "triton or operator"],
+    # the ZeRO++ wire codec: Triton kernels (interpreted) and the torch encoder, against codecs.encode_q8
+    "wire": ["tests/test_quant_kernels.py", "tests/test_zeropp.py::test_encode_wire_equals_codec_bit_for_bit",
+             "-W", "ignore::RuntimeWarning"],
 }
 
 # ----------------------------------------------------------------------------------------- faults
@@ -75,6 +78,7 @@ K, MT, REF = "kernels/adam.py", "kernels/_multi_tensor.py", "zero_kernels/refere
 FL, SIMD, CPP = "kernels/flatten.py", "csrc/cpu_adam_simd.h", "csrc/cpu_adam.cpp"
 VEC, CFL = "csrc/cpu_vec.h", "csrc/cpu_flatten.cpp"
 KC, KCA = "kernels/_codecs.py", "kernels/adam_coded.py"
+KQ, QWZ = "kernels/quant.py", "zero_kernels/zero/qwz.py"
 FAULTS = [
     # --- eps placement: torch adds eps AFTER the bias-corrected sqrt: sqrt(v)/bc2_sqrt + eps
     ("tri.eps_in_sqrt", K, "denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps",
@@ -240,6 +244,18 @@ FAULTS = [
      "rem = (b - (hi << 16)).to(tl.int32, bitcast=True)", "coded", "remainder tie 0x8000 wraps to -0x8000"),
     ("cod.remainder_truncates", KC, "hi = (b + 0x7FFF + ((b >> 16) & 1)) >> 16", "hi = b >> 16", "coded",
      "bf16 parameter truncated instead of rounded to nearest even"),
+
+    # --- ZeRO++ wire codec (qwZ / qgZ): the Triton kernels and the torch encoder
+    ("wire.decode_accumulate_overwrites", KQ, "y = ld(out_ptr, offs, mask, MASKED) + y", "y = y", "wire",
+     "qgZ decode-accumulate overwrites instead of adding"),
+    ("wire.decode_scale_dropped", KQ, "scale[:, None], table_ptr)", "scale[:, None] * 0 + 1.0, table_ptr)", "wire",
+     "decode ignores the block scale"),
+    ("wire.encode_scale_stored_wrong", KQ, "st(scales_ptr, rows, scale,", "st(scales_ptr, rows, scale * 2.0,", "wire",
+     "encode stores a scale other than the block absmax"),
+    ("wire.torch_tie_correction", QWZ, "c -= (mid[c] >= y).long()", "c -= (mid[c] > y).long()", "wire",
+     "torch encoder: a value on a midpoint takes the upper code"),
+    ("wire.torch_nan_code", QWZ, ".nan_to_num_(255.0)", ".nan_to_num_(0.0)", "wire",
+     "torch encoder: NaN coded 0 instead of 255"),
 ]
 
 

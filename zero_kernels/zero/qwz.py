@@ -80,10 +80,10 @@ def encode_wire(x: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
     scale = xb.abs().amax(dim=1)
     y = torch.where(scale[:, None] == 0, 0.0, xb / scale[:, None])
     mid = _mid_ext(y.device)
+    # NaN -> 255 (torch.bucketize puts NaN after every boundary; NaN compares false below)
     c = torch.floor(y * 127.0 + 127.5).nan_to_num_(255.0).clamp_(0, 255).long()
     c -= (mid[c] >= y).long()                   # mid[c] is the book's midpoint c - 1 (below the guess)
     c += (mid[c + 1] < y).long()                # mid[c + 1] is midpoint c (above it)
-    c = torch.where(y.isnan(), 255, c)          # torch.bucketize puts NaN after every boundary
     return c.reshape(-1)[:n].to(torch.uint8).view(x.shape), scale
 
 
