@@ -29,7 +29,8 @@ __all__ = ["record_sends", "record_collective", "set_ranks_per_node", "ranks_per
 
 LINKS = ("intra", "inter")
 _COUNTS: dict[tuple[int, str, str], int] = defaultdict(int)
-_RANKS: dict[int, tuple[int, ...]] = {}         # id(group) -> its global ranks (cached)
+_RANKS: dict[int, tuple[Any, tuple[int, ...]]] = {}    # id(group) -> (the group, kept alive so its id is never
+                                                        # reused by another, its global ranks)
 _PER_NODE: int | None = None
 
 
@@ -74,9 +75,11 @@ def record_collective(kind: str, group, nbytes: int, algorithm: str | None = Non
     reduce-scatter / all-gather by an all-reduce pass "all_reduce"), spread evenly over the group's
     other ranks."""
     g = _key(group)
-    ranks = _RANKS.get(g)
-    if ranks is None:
-        ranks = _RANKS[g] = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    cached = _RANKS.get(g)
+    if cached is None:
+        pg = group if group is not None else dist.group.WORLD
+        cached = _RANKS[g] = (pg, tuple(dist.get_process_group_ranks(pg)))
+    ranks = cached[1]
     me = dist.get_rank()
     peers = [r for r in ranks if r != me]
     if not peers:
