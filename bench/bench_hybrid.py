@@ -39,9 +39,18 @@ def _sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30)
 
 
+def _refuse_existing() -> None:
+    """Never touch namespaces of these names that this run did not create (a leftover of a killed
+    run included: the message says how to remove it)."""
+    existing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout.split()
+    taken = [ns for ns in NS if ns in existing]
+    if taken:
+        raise RuntimeError(f"network namespaces {taken} already exist and this benchmark did not create them; "
+                           f"remove them (`ip netns del NAME`) if they are a leftover of an earlier run")
+
+
 def _link_up(mbit: float) -> None:
     """Two namespaces joined by a veth pair, rate-limited to ``mbit`` in both directions."""
-    _link_down()
     for ns in NS:
         _sh("ip", "netns", "add", ns)
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
@@ -82,8 +91,11 @@ def launch(args) -> int:
     out = os.path.abspath(args.out)
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     procs = []
+    made = False
     try:
         if shaped:
+            _refuse_existing()
+            made = True                             # from here on the namespaces are ours to remove
             _link_up(args.link_mbit)
         for node in range(2):
             host = ADDR[0] if shaped else "127.0.0.1"
@@ -106,7 +118,7 @@ def launch(args) -> int:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=30)
-        if shaped:
+        if made:
             _link_down()
     if any(p.returncode != 0 for p in procs):
         print("a launcher failed:", [p.returncode for p in procs])

@@ -71,7 +71,7 @@ from .reference import compute_coeffs, fused_adam_ref
 
 __all__ = [
     "BLOCK", "M32", "fmix32", "sr_key", "sr_bits", "encode_bf16_sr", "encode_bf16_rne",
-    "dynamic_map", "CODE_BOOKS", "M_CODE", "V_CODE", "midpoints", "encode_q8", "decode_q8",
+    "dynamic_map", "CODE_BOOKS", "M_CODE", "V_CODE", "midpoints", "scaled_blocks", "encode_q8", "decode_q8",
     "F8_MAX", "encode_f8", "decode_f8",
     "split_remainder", "join_remainder", "remainder_is_lossy",
     "init_coded_state", "state_nbytes", "decode_moment", "encode_moment", "adam_step_coded", "MOMENT_DTYPES",
@@ -173,11 +173,17 @@ def _blocks(x: Tensor) -> Tensor:
     return torch.nn.functional.pad(x.reshape(-1).float(), (0, nb * BLOCK - n)).view(nb, BLOCK)
 
 
-def encode_q8(x: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
-    """fp32 -> (uint8 codes shaped like x, fp32 scales [ceil(numel / BLOCK)])."""
+def scaled_blocks(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(x / its block's absmax as [blocks, BLOCK] fp32, zero-padded and 0 where the scale is 0; the
+    scales [ceil(numel / BLOCK)]): what the 8-bit code of every element is taken of."""
     xb = _blocks(x)
     scale = xb.abs().amax(dim=1)
-    y = torch.where(scale[:, None] == 0, 0.0, xb / scale[:, None])
+    return torch.where(scale[:, None] == 0, 0.0, xb / scale[:, None]), scale
+
+
+def encode_q8(x: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 -> (uint8 codes shaped like x, fp32 scales [ceil(numel / BLOCK)])."""
+    y, scale = scaled_blocks(x)
     codes = torch.bucketize(y, midpoints(table.to(y.device)), right=False)
     return codes.reshape(-1)[: x.numel()].to(torch.uint8).view(x.shape), scale
 

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ..codecs import BLOCK, CODE_BOOKS, encode_q8
 from . import collectives as C
-from .qwz import QWZ_CODE, Both, wire_decode, wire_encode
+from .qwz import QWZ_CODE, Both, quantized_all_gather, wire_decode, wire_encode
 from .wire import record_sends
 
 __all__ = ["quantized_reduce_scatter", "quantized_average_reference", "quantized_average"]
@@ -108,15 +108,6 @@ def quantized_average(t: Tensor, group) -> None:
     flat[:t.numel()].copy_(t.reshape(-1))
     piece = torch.empty(sn, dtype=torch.float32, device=t.device)
     C.wait(quantized_reduce_scatter(flat, piece, group, True, "qgZ replica"))
-    table = CODE_BOOKS[QWZ_CODE].to(t.device)
-    own_codes, own_scales = wire_encode(piece, table)
-    nb = own_scales.numel()
-    codes = torch.empty(n * sn, dtype=torch.uint8, device=t.device)
-    scales = torch.empty(n * nb, dtype=torch.float32, device=t.device)
-    codes[r * sn:(r + 1) * sn].copy_(own_codes)
-    scales[r * nb:(r + 1) * nb].copy_(own_scales)
-    C.wait(C.all_gather_bucket(codes, r, group, True, ("qgZ replica codes",)))
-    C.wait(C.all_gather_bucket(scales, r, group, True, ("qgZ replica scales",)))
-    for j in range(n):              # every piece decoded from its codes, the own one too
-        flat[j * sn:(j + 1) * sn].copy_(wire_decode(codes[j * sn:(j + 1) * sn], scales[j * nb:(j + 1) * nb], table))
+    flat[r * sn:(r + 1) * sn].copy_(piece)
+    C.wait(quantized_all_gather(flat, r, group, True, "qgZ replica", own_exact=False))
     t.copy_(flat[:t.numel()].view_as(t))

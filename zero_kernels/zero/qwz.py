@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..codecs import BLOCK, CODE_BOOKS, decode_q8, midpoints
+from ..codecs import BLOCK, CODE_BOOKS, decode_q8, midpoints, scaled_blocks
 from . import collectives as C
 
 __all__ = ["QWZ_CODE", "quantized_all_gather", "qwz_bytes", "encode_wire", "wire_encode", "wire_decode",
@@ -74,17 +74,13 @@ def encode_wire(x: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
     without ``torch.bucketize`` (a binary search per element: 4x slower on CPU, most of a qwZ/qgZ step).
     The book is (k - 127) / 127, so the code is ``floor(127 y + 127.5)`` up to one step; comparing y
     with the two midpoints around that guess gives the exact count of midpoints strictly below y."""
-    n = x.numel()
-    nb = -(-n // BLOCK)
-    xb = torch.nn.functional.pad(x.reshape(-1).float(), (0, nb * BLOCK - n)).view(nb, BLOCK)
-    scale = xb.abs().amax(dim=1)
-    y = torch.where(scale[:, None] == 0, 0.0, xb / scale[:, None])
+    y, scale = scaled_blocks(x)
     mid = _mid_ext(y.device)
     # NaN -> 255 (torch.bucketize puts NaN after every boundary; NaN compares false below)
     c = torch.floor(y * 127.0 + 127.5).nan_to_num_(255.0).clamp_(0, 255).long()
     c -= (mid[c] >= y).long()                   # mid[c] is the book's midpoint c - 1 (below the guess)
     c += (mid[c + 1] < y).long()                # mid[c + 1] is midpoint c (above it)
-    return c.reshape(-1)[:n].to(torch.uint8).view(x.shape), scale
+    return c.reshape(-1)[:x.numel()].to(torch.uint8).view(x.shape), scale
 
 
 class Both:
@@ -107,9 +103,11 @@ def qwz_bytes(shard_numel: int) -> int:
 
 
 def quantized_all_gather(flat: Tensor, rank: int, group=None, async_op: bool = True,
-                         tag: Any = None) -> C.AllGatherResult:
+                         tag: Any = None, own_exact: bool = True) -> C.AllGatherResult:
     """``collectives.all_gather_bucket`` with the other ranks' slices sent as int8 codes ([Note:
-    quantized weight all-gather]); this rank's slice of ``flat`` is the input and stays exact."""
+    quantized weight all-gather]); this rank's slice of ``flat`` is the input and stays exact, or,
+    with ``own_exact=False``, is replaced by the decode of its own codes too, so that every rank holds
+    the same bits ([Note: hierarchical qgZ] in qgz.py)."""
     n = C.group_size(group)
     if n == 1:
         return C.all_gather_bucket(flat, rank, group, async_op, tag)
@@ -126,7 +124,7 @@ def quantized_all_gather(flat: Tensor, rank: int, group=None, async_op: bool = T
 
     def decode():
         for j in range(n):
-            if j != rank:
+            if j != rank or not own_exact:
                 flat[j * sn:(j + 1) * sn].copy_(wire_decode(codes[j * sn:(j + 1) * sn],
                                                           scales[j * nb:(j + 1) * nb], table))
     res = C.AllGatherResult(flat, Both(g_codes.work, g_scales.work), tag, decode)
