@@ -9,10 +9,15 @@ weights with save_model (save_pretrained) into OUT_DIR/final.
 import argparse
 import os
 
+import sys
+
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from zero_kernels.integrations.hf import ZeroTrainer
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH drops it
+from _clean_exit import exit_cleanly  # noqa: E402
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -50,6 +55,7 @@ def main():
     if trainer.args.should_save:
         wrapped = type(trainer.model_wrapped).__name__
         torch.save({"wrapped": wrapped, "log": trainer.state.log_history}, os.path.join(a.out, "info.pt"))
+    exit_cleanly()
 
 
 if __name__ == "__main__":

@@ -6,12 +6,17 @@ rank 0 saves the full parameters. Run by tests/test_lightning.py:
 import argparse
 import os
 
+import sys
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning as L
 import zero_kernels.integrations.lightning  # noqa: F401  (registers zk_zero1/2/3)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # PYTHONSAFEPATH drops it
+from _clean_exit import exit_cleanly  # noqa: E402
 
 
 class Tiny(L.LightningModule):
@@ -58,6 +63,7 @@ def main():
     if trainer.global_rank == 0:
         torch.save({"params": full, "global_step": trainer.global_step,
                     "lr": trainer.strategy.optimizers[0].param_groups[0]["lr"]}, a.out)
+    exit_cleanly()
 
 
 if __name__ == "__main__":
