@@ -207,8 +207,8 @@ def _row(p: Tensor, g: Tensor, s: dict[str, Tensor]) -> tuple[list[int], tuple]:
 def adam_step_coded_triton(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]],
                            seeds: list[int], *, lr, beta1: float, beta2: float, eps: float, weight_decay: float,
                            adamw: bool, maximize: bool = False, grad_scale: Tensor | None = None,
-                           found_inf: Tensor | None = None) -> None:
-    """``codecs.adam_step_coded`` for every (param, grad, state, seed), in place: one launch per (grad dtype,
+                           found_inf: Tensor | None = None, index_offsets: list[int] | None = None) -> None:
+    """``codecs.adam_step_coded`` for every (param, grad, state, seed[, index offset]), in place: one launch per (grad dtype,
     param dtype, state kinds). ``grad_scale`` multiplies the gradient; a nonzero ``found_inf`` changes
     nothing but is still counted as torch counts it (the step is incremented by 1 - found_inf)."""
     if not params:
@@ -221,8 +221,10 @@ def adam_step_coded_triton(params: list[Tensor], grads: list[Tensor], states: li
     coeffs = compute_coeffs(steps, lr, beta1, beta2, weight_decay, adamw, device=device)
     seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
     step_i = steps.to(torch.int64)
-    keys = torch.stack([codecs.sr_key(seed_t, step_i, 0), codecs.sr_key(seed_t, step_i, 1),
-                        torch.zeros_like(seed_t)], dim=1).contiguous()
+    offs = torch.zeros_like(seed_t) if index_offsets is None else \
+        torch.tensor(index_offsets, dtype=torch.int64, device=device)
+    keys = torch.stack([codecs.sr_key(seed_t, step_i, 0), codecs.sr_key(seed_t, step_i, 1), offs],
+                       dim=1).contiguous()
     groups: dict[tuple, list[int]] = {}
     rows, writebacks = [], []
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]   # alive until the launches are queued

@@ -31,7 +31,13 @@ A checkpoint *root* holds versioned directories and a pointer to the newest comp
                                      each the rank's whole fp32 slice (shard_numel elements, padding
                                      included: zero), ``b{i}.params16`` (the 16-bit working
                                      parameters the rank owns, for 16-bit buckets) and ``steps``
-                                     (int64, per layout parameter).
+                                     (int64, per layout parameter). With coded states ([Note: coded
+                                     ZeRO states] in zero/coded.py) the slices are stored as the
+                                     optimizer holds them: ``b{i}.exp_avg`` / ``b{i}.exp_avg_sq`` as
+                                     bf16 / uint8 / float8_e4m3fn codes with ``b{i}.exp_avg_scale`` /
+                                     ``b{i}.exp_avg_sq_scale`` (fp32, shard_numel / 256), and
+                                     ``b{i}.master_remainder`` (int16) instead of ``b{i}.master``;
+                                     metadata.json's ``state_format`` names the formats.
     ckpt/v000007/COMPLETE            written LAST: JSON {"format", "format_version", "files":
                                      {name: {"bytes", "sha256"}}}
 
@@ -56,7 +62,10 @@ the element range [o+k, o+k+n) of bucket a, and the saved ranks whose slices cov
 (rank = element // shard_numel_A); it reads exactly those ranges from those shard files, opened
 with ``torch.load(mmap=True)``, so its memory stays near its own shard size (with ``verify=True``,
 the default, each shard file it opens is hashed whole once; ``verify=False`` touches only the pages
-it needs). Steps, hyperparameters and loss-scaler state come from the checkpoint.
+it needs). Steps, hyperparameters and loss-scaler state come from the checkpoint. States travel as fp32
+(``Shards.fp32`` decodes coded ones) and are encoded into the loader's format (re-blocking may
+requantize: the dequantized states then agree within one quantization step); a load into the same
+layout and state format copies the stored tensors, bit for bit.
 Everything is read and checked (files present, sizes match COMPLETE, format version, parameter
 names and shapes, buffers) and the ranks agree that nobody failed BEFORE any state is changed.
 """
@@ -64,6 +73,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -72,7 +82,7 @@ from .checkpoint_format import (FORMAT, FORMAT_VERSION, CheckpointError, Shards,
                                 check_numels, fsync_dir, json_bytes, load_small, new_version, prune,
                                 read_metadata, resolve, shard_name, versions)
 from .checkpoint_tools import check_fit, consolidate, inspect, main
-from .layout import Layout, dtype_from_name, dtype_name
+from .layout import Layout, dtype_name
 from .state_keys import keyed_state
 
 __all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "inspect", "main", "resolve", "read_metadata",
@@ -167,17 +177,27 @@ def _metadata(opt, version_dir_name: str) -> dict:
         "skipped_steps": int(getattr(opt, "skipped_steps", 0)),
         "state_dict_keys": sd_keys, "registration_order": reg_order,
         "master_dtype": dtype_name(torch.float32),
+        "state_format": _state_format(opt),
         "shards": [shard_name(r, opt.world_size) for r in range(opt.world_size)],
         "model_rest": "model_rest.pt",
     }
+
+
+_FP32_STATES = {"exp_avg_dtype": "float32", "exp_avg_sq_dtype": "float32", "store_param_remainders": False}
+
+
+def _state_format(opt) -> dict:
+    fmt = opt.config.state_format
+    return {"exp_avg_dtype": dtype_name(fmt.exp_avg_dtype), "exp_avg_sq_dtype": dtype_name(fmt.exp_avg_sq_dtype),
+            "store_param_remainders": bool(fmt.store_param_remainders)}
 
 
 def _shard_numels(opt) -> dict[str, int]:
     """Element count of every tensor of a shard file, from the layout (the same for every rank)."""
     shard = {"steps": len(opt.layout.params)}
     for b in opt.buckets:
-        for k in list(b.state_tensors()) + ([] if _owned16(b) is None else ["params16"]):
-            shard[f"b{b.index}.{k}"] = int(b.spec.shard_numel)
+        for k, t in list(b.state_tensors().items()) + ([] if _owned16(b) is None else [("params16", None)]):
+            shard[f"b{b.index}.{k}"] = int(b.spec.shard_numel) if t is None else t.numel()
     return shard
 
 
@@ -193,8 +213,7 @@ def _shard_tensors(opt) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for b in opt.buckets:
         for k, t in b.state_tensors().items():
-            out[f"b{b.index}.{k}"] = t.detach().to(torch.float32).contiguous().clone() if t.dtype != torch.float32 \
-                else t.detach().contiguous()
+            out[f"b{b.index}.{k}"] = t.detach().contiguous()       # as stored (fp32, or codes)
         p16 = _owned16(b)
         if p16 is not None:
             out[f"b{b.index}.params16"] = p16.detach().contiguous()
@@ -311,16 +330,19 @@ def load_checkpoint(opt, path, verify: bool = True) -> None:
     # ---- apply (every rank succeeded) ----
     opt.wait_for_params()              # no all-gather may still be writing the parameters
     for b in opt.buckets:
-        st = b.state_tensors()
-        for k, t in st.items():
-            if k == "master" and b.master_is_param:
-                continue                    # written below through the parameter buffer
-            t.copy_(new_state[b.index][k])
-        if b.master_is_param:
-            st["master"].copy_(new_state[b.index]["master"])
-        else:
-            _owned16(b).copy_(new16[b.index])
+        if b.index in new16:                # same layout and format: the stored tensors, bit for bit
+            for k, t in b.state_tensors().items():
+                t.copy_(new_state[b.index][k])
+            if new16[b.index] is not None:
+                _owned16(b).copy_(new16[b.index])
+        else:                               # fp32 states, encoded into this optimizer's format
+            b.store_fp32_states(new_state[b.index], max(steps, default=0))
     opt.steps = steps
+    saved_fmt = meta.get("state_format", _FP32_STATES)
+    if saved_fmt != _state_format(opt):
+        warnings.warn(f"load_checkpoint converted the optimizer states from the checkpoint's format {saved_fmt} to this "
+                      f"optimizer's {_state_format(opt)}: decoded to fp32 and encoded with zero_kernels.codecs "
+                      "([Note: coded ZeRO states])", UserWarning, stacklevel=3)
     for g, saved in zip(opt.param_groups, meta["param_groups"]):
         for k, v in saved.items():
             if k in g:
@@ -368,32 +390,36 @@ def _stage_load(opt, path, verify):
     rest = _load_rest(opt, vdir, marker, meta, verify)
     shards = Shards(vdir, meta, marker, verify)
     new_state: dict[int, dict[str, torch.Tensor]] = {}
-    new16: dict[int, torch.Tensor] = {}
+    new16: dict[int, torch.Tensor | None] = {}      # filled for buckets loaded as stored (bit for bit)
     have_ams_saved = bool(meta.get("amsgrad_state"))
+    if _stored_as_is(opt, meta):
+        for b in opt.buckets:
+            new_state[b.index] = {k: shards.get(opt.rank, f"b{b.index}.{k}") for k in b.state_tensors()}
+            new16[b.index] = None if _owned16(b) is None else shards.get(opt.rank, f"b{b.index}.params16")
+        return new_state, new16, meta, rest, shards, steps
     for b in opt.buckets:
-        keys = list(b.state_tensors().keys())
+        keys = ["master", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if b.amsgrad else [])
         out = {k: torch.zeros(b.spec.shard_numel, dtype=torch.float32) for k in keys}
-        p16 = None if b.master_is_param else torch.zeros(b.spec.shard_numel, dtype=b.dtype)
-        for pc in b.pieces:
+        for pc in b.pieces:            # 16-bit working slices become RNE(master), as every step writes them
             sp = match[pc.param]
             sb = saved.buckets[sp.bucket]
-            saved16 = dtype_from_name(sb.dtype) != torch.float32
             for r, s_start, n, d_off in _saved_ranges(sb, sp.offset + pc.param_start, pc.numel):
                 dst = slice(pc.start + d_off, pc.start + d_off + n)
                 src = slice(s_start, s_start + n)
                 for k in keys:
                     if k == "max_exp_avg_sq" and not have_ams_saved:
                         continue                                    # fresh amsgrad state: zeros
-                    out[k][dst].copy_(shards.get(r, f"b{sb.index}.{k}")[src])
-                if p16 is not None:
-                    if saved16 and dtype_from_name(sb.dtype) == b.dtype:
-                        p16[dst].copy_(shards.get(r, f"b{sb.index}.params16")[src])
-                    else:                                           # other working dtype: RNE(master)
-                        p16[dst].copy_(out["master"][dst])
+                    out[k][dst].copy_(shards.fp32(r, sb.index, k)[src])
         new_state[b.index] = out
-        if p16 is not None:
-            new16[b.index] = p16
     return new_state, new16, meta, rest, shards, steps
+
+
+def _stored_as_is(opt, meta: dict) -> bool:
+    """The checkpoint holds this rank's slices exactly as this optimizer stores them (same layout, world size
+    and coded state format): they load by copying ([Note: resharding])."""
+    fmt = meta.get("state_format")
+    return (opt.config.state_format.coded and fmt == _state_format(opt) and meta.get("world_size") == opt.world_size
+            and meta.get("layout_fingerprint") == opt.layout.fingerprint())
 
 
 if __name__ == "__main__":

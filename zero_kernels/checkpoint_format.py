@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import codecs
 from .layout import Layout
 
 from .state_keys import canonical_names
@@ -356,8 +357,40 @@ class Shards:
     def __init__(self, vdir: str, meta: dict, marker: dict, verify: bool):
         self.vdir, self.meta, self.marker, self.verify, self.open = vdir, meta, marker, verify, {}
         self.expected = meta.get("tensors", {}).get("shard")
+        self.decoded: dict[tuple, torch.Tensor] = {}
+
+    def fp32(self, rank: int, bucket: int, key: str) -> torch.Tensor:
+        """``b{bucket}.{key}`` of ``rank`` (master, exp_avg, exp_avg_sq, max_exp_avg_sq) in fp32: as stored,
+        or decoded from codes + block scales / bf16 / bf16 params16 + master_remainder ([Note: coded ZeRO
+        states] in zero/coded.py). Decoded slices of one (rank, bucket) are kept until another is asked for."""
+        name = f"b{bucket}.{key}"
+        if (name in self._file(rank)[0]) if key == "master" else self.get(rank, name).dtype == torch.float32:
+            return self.get(rank, name)
+        ck = (rank, bucket, key)
+        if ck not in self.decoded:
+            if any(k[:2] != (rank, bucket) for k in self.decoded):
+                self.decoded.clear()
+            if key == "master":
+                t = codecs.join_remainder(self.get(rank, f"b{bucket}.params16"), self.get(rank, f"b{bucket}.master_remainder"))
+            else:
+                st = {key: self.get(rank, name)}
+                if st[key].dtype in codecs.BLOCKWISE:
+                    st[key + "_scale"] = self.get(rank, f"{name}_scale")
+                elif st[key].dtype != torch.bfloat16:
+                    raise CheckpointError(f"{self.vdir}: {name} of rank {rank} has dtype {st[key].dtype}, not a state format")
+                t = codecs.decode_moment(st, key, codecs.TABLES[key])
+            self.decoded[ck] = t
+        return self.decoded[ck]
 
     def get(self, rank: int, key: str) -> torch.Tensor:
+        d, fp = self._file(rank)
+        if key not in d:
+            raise CheckpointError(f"checkpoint file {fp} has no tensor {key!r}")
+        _check_tensor(d[key], key, self.expected, fp)
+        return d[key]
+
+    def _file(self, rank: int) -> tuple[dict, str]:
+        """(the mmap-opened shard file of ``rank``, its path); opened and hashed once."""
         if not 0 <= rank < len(self.meta["shards"]):
             raise CheckpointError(f"{self.vdir}/metadata.json: an element maps to rank {rank}, but the "
                                   f"checkpoint has {len(self.meta['shards'])} shards (inconsistent layout)")
@@ -372,13 +405,10 @@ class Shards:
             except Exception as e:
                 raise CheckpointError(f"checkpoint file {fp} cannot be read: {type(e).__name__}: "
                                       f"{str(e).splitlines()[0] if str(e) else ''}") from e
-        d = self.open[rank]
-        if key not in d:
-            raise CheckpointError(f"checkpoint file {fp} has no tensor {key!r}")
-        _check_tensor(d[key], key, self.expected, fp)
-        return d[key]
+        return self.open[rank], fp
 
     def close(self, rank: int | None = None) -> None:
+        self.decoded.clear()
         if rank is None:
             self.open.clear()
         else:

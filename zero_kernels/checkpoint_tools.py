@@ -42,7 +42,7 @@ def _full_states(vdir: str, marker: dict, meta: dict, lay, keys: list[str], veri
                 dst = slice(pc.param_start, pc.param_start + pc.numel)
                 cover[pc.param][dst] += 1
                 for k in keys:
-                    src = shards.get(r, f"b{b.index}.{k}")[pc.start:pc.start + pc.numel]
+                    src = shards.fp32(r, b.index, k)[pc.start:pc.start + pc.numel]
                     full[k][pc.param].view(-1)[dst].copy_(src)
         shards.close(r)
     for p in lay.params:

@@ -71,7 +71,7 @@ from .reference import compute_coeffs, fused_adam_ref
 
 __all__ = [
     "BLOCK", "M32", "fmix32", "sr_key", "sr_bits", "encode_bf16_sr", "encode_bf16_rne",
-    "dynamic_map", "CODE_BOOKS", "M_CODE", "V_CODE", "midpoints", "scaled_blocks", "encode_q8", "decode_q8",
+    "dynamic_map", "CODE_BOOKS", "M_CODE", "V_CODE", "TABLES", "midpoints", "scaled_blocks", "encode_q8", "decode_q8",
     "F8_MAX", "encode_f8", "decode_f8",
     "split_remainder", "join_remainder", "remainder_is_lossy",
     "init_coded_state", "state_nbytes", "decode_moment", "encode_moment", "adam_step_coded", "MOMENT_DTYPES",
@@ -160,6 +160,7 @@ CODE_BOOKS: dict[str, Tensor] = {
 }
 M_CODE = "dynamic_signed"
 V_CODE = "dynamic_unsigned"
+TABLES = {"exp_avg": CODE_BOOKS[M_CODE], "exp_avg_sq": CODE_BOOKS[V_CODE]}   # the code book of each moment
 
 
 def midpoints(table: Tensor) -> Tensor:

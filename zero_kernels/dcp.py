@@ -92,7 +92,7 @@ def get_state_dict(zopt) -> tuple[dict[str, Any], dict[str, Any]]:
     names, mesh = dcp_names(zopt.module, zopt.buckets), _mesh(zopt)
     per_param: dict[int, dict[str, Tensor]] = {}
     for b in zopt.buckets:
-        for kind, t in b.state_tensors().items():
+        for kind, t in b.fp32_states().items():
             got = gather_chunks(t, b.param_specs, b.spec.padded_numel, zopt.rank, zopt.world_size,
                                 zopt.process_group, tag=("dcp", b.index, kind))
             for ps, local in zip(b.param_specs, got.tensors):
@@ -134,9 +134,11 @@ def set_state_dict(zopt, *, model_state_dict: dict[str, Any] | None = None,
     if optim_state_dict is not None:
         new_groups = check_optim_sd(optim_state_dict, names, zopt)
     zopt.wait_for_params()
+    step = max((int(st["step"]) for st in optim_state_dict["state"].values()), default=0) \
+        if optim_state_dict is not None else max(zopt.steps, default=0)
     for b in zopt.buckets:
-        targets = b.state_tensors()
-        for kind in targets:
+        loaded = {}
+        for kind in b.fp32_states():
             src = _source(kind, b, names, model_state_dict, optim_state_dict)
             if src is None:
                 continue
@@ -144,9 +146,8 @@ def set_state_dict(zopt, *, model_state_dict: dict[str, Any] | None = None,
                       enumerate(b.param_specs)]
             got = scatter_chunks(chunks, b.param_specs, (b.slice_start, b.slice_end), zopt.rank,
                                  zopt.world_size, zopt.process_group, tag=("dcp-load", b.index, kind))
-            targets[kind].copy_(got.output)
-        if model_state_dict is not None and not b.master_is_param:
-            b.owned_params.copy_(b.master)
+            loaded[kind] = got.output.to(torch.float32)
+        b.store_fp32_states(loaded, step)      # coded states: encoded ([Note: coded ZeRO states])
     if model_state_dict is not None:
         for k, ps, v in names.model:
             if ps is None:

@@ -42,9 +42,9 @@ from ._launch_plan import local
 from .hparams import StateFormat, scalar_lr
 
 __all__ = ["new_state", "state_problem", "convert_state", "convert_state_dict", "is_coded_state", "resolve_backend",
-           "coded_work", "step_coded"]
+           "coded_work", "step_coded", "run_coded"]
 
-_TABLES = {"exp_avg": codecs.CODE_BOOKS[codecs.M_CODE], "exp_avg_sq": codecs.CODE_BOOKS[codecs.V_CODE]}
+_TABLES = codecs.TABLES
 _STREAM = {"exp_avg": 0, "exp_avg_sq": 1}
 _C_KERNELS = ("cpu", "cuda")
 
@@ -219,14 +219,25 @@ def step_coded(backend: str, params: list[Tensor], states: list[dict[str, Tensor
     device = params[0].device
     gs = None if grad_scale is None else grad_scale.to(device, torch.float32).reshape(1).reciprocal()
     fi = None if found_inf is None else found_inf.to(device, torch.float32).reshape(1)
-    grads = [local(p.grad) for p in params]
     beta1, beta2 = (float(b) for b in group["betas"])
     hp = dict(lr=scalar_lr(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
               weight_decay=float(group["weight_decay"]), adamw=bool(group["decoupled_weight_decay"]),
               maximize=bool(group["maximize"]))
+    run_coded(backend, [p.detach() for p in params], [local(p.grad) for p in params], states, seeds, None, hp,
+              grad_scale=gs, found_inf=fi)
+
+
+def run_coded(backend: str, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]],
+              seeds: list[int], index_offsets: list[int] | None, hp: dict[str, Any], *,
+              grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+    """``codecs.adam_step_coded`` of every (param, grad, state, seed, index offset) on ``backend``; ``hp``: lr,
+    beta1, beta2, eps, weight_decay, adamw, maximize; ``grad_scale`` multiplies the gradients."""
+    offsets = index_offsets or [0] * len(params)
     if backend == "triton":
         from .kernels.adam_coded import adam_step_coded_triton   # triton is optional: imported when used
-        adam_step_coded_triton(params, grads, states, seeds, grad_scale=gs, found_inf=fi, **hp)
+        adam_step_coded_triton(params, grads, states, seeds, grad_scale=grad_scale, found_inf=found_inf,
+                               index_offsets=offsets, **hp)
         return
-    for p, g, st, seed in zip(params, grads, states, seeds):
-        codecs.adam_step_coded(p.detach(), g, st, seed=seed, grad_scale=gs, found_inf=fi, **hp)
+    for p, g, st, seed, off in zip(params, grads, states, seeds, offsets):
+        codecs.adam_step_coded(p, g, st, seed=seed, index_offset=off, grad_scale=grad_scale, found_inf=found_inf,
+                               **hp)

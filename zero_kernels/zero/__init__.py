@@ -15,6 +15,7 @@ One concept per file (after FSDP2's ``_fully_shard/``); the ``[Note: ...]`` bloc
     grad_guard.py   what p.grad holds: ShardedGrad, torch's clip raises ([Note: gradient placeholders])
     gather.py       stages 1-2 parameter all-gather ([Note: overlapped parameter all-gather])
     step.py         per-bucket fused step and global norm ([Note: the ZeRO step])
+    coded.py        low-precision states of a slice: codes, remainders, their step ([Note: coded ZeRO states])
     scaling.py      loss scaling, GradScaler, non-finite skips ([Note: non-finite gradients])
     state_dict.py   shard and full-model state dicts ([Note: shard state dict])
     report.py       memory_report()

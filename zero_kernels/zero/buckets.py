@@ -19,23 +19,35 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .coded import decode_slice, encode_slice, join_master, new_moments, remainder_of
 from .flat import flatten
+from ..hparams import StateFormat
 from ..layout import BucketSpec, Layout, Piece, dtype_from_name
 
 __all__ = ["check_bound", "FlatBucket", "OptimState", "ReduceState", "fill_flat", "master_from_originals"]
 
 
 class OptimState:
-    """This rank's fp32 Adam moments for one bucket slice (``shard_numel`` elements each)."""
+    """This rank's Adam moments for one bucket slice (``shard_numel`` elements each): fp32, or coded in
+    ``fmt`` ([Note: coded ZeRO states] in coded.py; ``tensors`` then holds the codes and block scales)."""
 
-    def __init__(self, numel: int, device: torch.device, amsgrad: bool):
+    def __init__(self, numel: int, device: torch.device, amsgrad: bool, fmt: StateFormat | None = None):
+        self.coded = fmt is not None and fmt.coded
+        if self.coded:
+            self.tensors = new_moments(numel, device, fmt)
+            self.exp_avg, self.exp_avg_sq = self.tensors["exp_avg"], self.tensors["exp_avg_sq"]
+            self.max_exp_avg_sq = None
+            return
         self.exp_avg = torch.zeros(numel, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.max_exp_avg_sq = torch.zeros_like(self.exp_avg) if amsgrad else None
+        self.tensors = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        if amsgrad:
+            self.tensors["max_exp_avg_sq"] = self.max_exp_avg_sq
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq)
-                   if t is not None)
+    def nbytes(self, prefix: str = "") -> int:
+        """Bytes of the tensors whose key starts with ``prefix`` (block scales count with their moment)."""
+        return sum(t.numel() * t.element_size() for k, t in self.tensors.items() if k.startswith(prefix))
 
 
 class ReduceState:
@@ -74,7 +86,7 @@ def master_from_originals(spec: BucketSpec, pieces: Sequence[Piece], originals: 
 
 class FlatBucket:
     def __init__(self, layout: Layout, index: int, rank: int, params: Sequence[torch.nn.Parameter],
-                 device: torch.device, amsgrad: bool):
+                 device: torch.device, amsgrad: bool, fmt: StateFormat | None = None):
         spec: BucketSpec = layout.buckets[index]
         self.spec = spec
         self.index = index
@@ -86,6 +98,8 @@ class FlatBucket:
         self.dtype = dtype_from_name(spec.dtype)
         self.device = device
         self.amsgrad = amsgrad
+        self.fmt = fmt if fmt is not None else StateFormat()
+        self.remainder: Tensor | None = None                # int16 master remainder ([Note: coded ZeRO states])
         self.slice_start, self.slice_end = spec.slice_bounds(rank)
         self.param_flat: Tensor | None = None               # filled by bind()
         self.master: Tensor | None = None
@@ -101,10 +115,22 @@ class FlatBucket:
         if self.master_is_param:
             self.master = flat[self.slice_start:self.slice_end]   # the fp32 slice IS the master
         else:
-            self.master = master_from_originals(self.spec, self.pieces, originals, self.device)
+            self.set_master(master_from_originals(self.spec, self.pieces, originals, self.device))
         self.param_flat = flat
         self.point_params_at(flat)
-        self.optim = OptimState(self.spec.shard_numel, self.device, self.amsgrad)
+        self.optim = OptimState(self.spec.shard_numel, self.device, self.amsgrad, self.fmt)
+
+    def set_master(self, master: Tensor) -> None:
+        """Keep the fp32 master slice: as it is, or as the int16 remainder of the bf16 slice the
+        parameters hold (store_param_remainders; their bits are master's round-to-nearest-even)."""
+        if self.fmt.store_param_remainders:
+            self.master, self.remainder = None, remainder_of(master)
+        else:
+            self.master = master
+
+    def master_fp32(self) -> Tensor:
+        """The fp32 master slice (joined from the bf16 slice and its remainder when remainders are kept)."""
+        return join_master(self.owned_params, self.remainder, self.master)
 
     def point_params_at(self, flat: Tensor) -> None:
         """Make every parameter a view of its region of ``flat``."""
@@ -151,12 +177,44 @@ class FlatBucket:
         buf[self.spec.numel:].zero_()
 
     def state_tensors(self) -> dict[str, Tensor]:
-        """The persistent per-slice state (what a shard of a checkpoint holds)."""
-        d = {"master": self.master, "exp_avg": self.optim.exp_avg, "exp_avg_sq": self.optim.exp_avg_sq}
-        if self.amsgrad:
-            d["max_exp_avg_sq"] = self.optim.max_exp_avg_sq
+        """The persistent per-slice state as stored (what a shard state dict and a checkpoint shard hold):
+        ``master`` (or ``master_remainder``) and the moments (codes and block scales when coded)."""
+        d = {"master": self.master} if self.remainder is None else {"master_remainder": self.remainder}
+        d.update(self.optim.tensors)
         return d
 
+    def fp32_states(self) -> dict[str, Tensor]:
+        """``master``, ``exp_avg``, ``exp_avg_sq`` (``max_exp_avg_sq``) in fp32: the live tensors for fp32
+        states, decoded copies for coded ones (write them back with :meth:`store_fp32_states`)."""
+        if not self.optim.coded and self.remainder is None:
+            return self.state_tensors()
+        out = {"master": self.master_fp32().clone()}
+        out.update(decode_slice(self.optim.tensors) if self.optim.coded else
+                   {k: t for k, t in self.optim.tensors.items()})
+        return out
+
+    def store_fp32_states(self, d: dict[str, Tensor], step: int) -> None:
+        """Write the fp32 states of ``d`` (keys as :meth:`fp32_states` gives them; a missing key is left as it
+        is) into the stored format; ``master`` also sets a 16-bit working slice to its round-to-nearest-even
+        (``step``: the stochastic-rounding key of bf16 moments)."""
+        if self.optim.coded and any(k in d for k in self.optim.tensors):
+            full = {k: d[k] if k in d else v for k, v in decode_slice(self.optim.tensors).items()}
+            encode_slice(self.optim.tensors, full, self.index, step, self.slice_start)
+        elif not self.optim.coded:
+            for k, t in self.optim.tensors.items():
+                if k in d and t is not d[k]:
+                    t.copy_(d[k])
+        if "master" not in d:
+            return
+        if self.master_is_param:
+            if self.master is not d["master"]:
+                self.master.copy_(d["master"])
+            return
+        self.owned_params.copy_(d["master"])
+        if self.remainder is not None:
+            self.remainder.copy_(remainder_of(d["master"]))
+        elif self.master is not d["master"]:
+            self.master.copy_(d["master"])
 
 def check_bound(buckets: Sequence[FlatBucket]) -> None:
     """Raise when a parameter stopped being a view of its bucket ([Note: bound parameters])."""

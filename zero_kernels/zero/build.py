@@ -12,6 +12,7 @@ from .. import backends
 from ..layout import Layout, ParamInfo, build_layout, dtype_name
 from . import collectives as C
 from .agreement import check_same_everywhere, join_barrier, signature
+from .coded import coded_backend, format_error
 from .config import ZeroConfig
 from .mesh import ZeroMesh, broadcast_from_first
 from .params import HPARAM_KEYS, ModelParams, model_error, plain, read_model, resolve_groups
@@ -27,6 +28,7 @@ class Plan(NamedTuple):
     rank: int
     device: torch.device
     backend: str                    # resolved fused-Adam backend name
+    coded_backend: str | None       # the backend of coded states ([Note: coded ZeRO states]), None: fp32 states
     layout: Layout
     units: Any                      # stage 3: [(name, module)], else None
     model: nn.Module
@@ -45,13 +47,15 @@ def plan(model: nn.Module, cfg: ZeroConfig, defaults: dict, param_groups, mesh: 
                          "only on the ranks of its data-parallel group")
     mp = read_model(model)
     groups, group_of, group_err = resolve_groups(param_groups, mp, defaults)
-    error = model_error(mp.trainable, cfg.param_dtype) or group_err
+    error = model_error(mp.trainable, cfg.param_dtype) or group_err \
+        or format_error(cfg, mp.trainable, [{**defaults, **g} for g in groups])
     device = mp.trainable[0][1].device if mp.trainable else torch.device("cpu")
-    backend = cfg.backend
+    backend, coded = cfg.backend, None
     if error is None:
         try:
             backend = backends.resolve(cfg.backend, device)
-        except ValueError as e:
+            coded = coded_backend(cfg.backend, device) if cfg.state_format.coded else None
+        except (ValueError, NotImplementedError) as e:
             error = str(e)
     hp = [[plain({**defaults, **g}[k]) for k in HPARAM_KEYS] for g in groups]
     sig = signature(mp.uniq, groups, mp.first_name, cfg.agreement_key(), hp, error)
@@ -63,9 +67,9 @@ def plan(model: nn.Module, cfg: ZeroConfig, defaults: dict, param_groups, mesh: 
     units, unit_of = assigned if assigned is not None else (None, None)
     infos = [ParamInfo(n, tuple(p.shape), dtype_name(cfg.param_dtype or p.dtype), group_of[id(p)],
                        tuple(mp.aliases[id(p)])) for n, p in mp.trainable]
-    layout = build_layout(infos, world, cfg.bucket_size, cfg.alignment_bytes,
+    layout = build_layout(infos, world, cfg.bucket_size, cfg.layout_alignment,
                           unit_of=(lambda i: unit_of[i]) if unit_of is not None else None)
-    return Plan(mp, groups, world, rank, device, backend, layout, units, model, process_group, mesh)
+    return Plan(mp, groups, world, rank, device, backend, coded, layout, units, model, process_group, mesh)
 
 
 @torch.no_grad()

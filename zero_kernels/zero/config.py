@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from .. import backends
+from ..codecs import BLOCK, BLOCKWISE
+from ..hparams import StateFormat, validate_state_format
 from .scaling import make_scaler
 from .timeouts import as_timedelta
 
@@ -52,6 +54,9 @@ class ZeroConfig:
     overlap_param_gather: bool = False
     quantize_weights: bool = False      # ZeRO++ qwZ ([Note: quantized weight all-gather], qwz.py)
     quantize_grads: bool = False        # ZeRO++ qgZ ([Note: quantized gradient reduce-scatter], qgz.py)
+    exp_avg_dtype: torch.dtype = torch.float32      # coded states ([Note: coded ZeRO states], coded.py)
+    exp_avg_sq_dtype: torch.dtype = torch.float32
+    store_param_remainders: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3) or isinstance(self.stage, bool):
@@ -87,12 +92,30 @@ class ZeroConfig:
                 or self.growth_interval < 1:
             raise ValueError(f"growth_interval must be a positive int, got {self.growth_interval!r}")
         make_scaler(self.loss_scale, self.growth_interval)       # raises on a bad loss_scale
+        validate_state_format(self.exp_avg_dtype, self.exp_avg_sq_dtype, self.store_param_remainders, 0)
+        if self.store_param_remainders and self.param_dtype not in (None, torch.bfloat16):
+            raise ValueError(f"store_param_remainders=True keeps the fp32 master as the bf16 parameter plus an int16 "
+                             f"remainder: it needs bf16 parameters, got param_dtype={self.param_dtype}; pass "
+                             "param_dtype=torch.bfloat16 (or drop store_param_remainders)")
         object.__setattr__(self, "timeout", as_timedelta(self.timeout))
         _check_wrap(self.wrap)
 
+    @property
+    def state_format(self) -> StateFormat:
+        """The optimizer-state format of every bucket slice ([Note: coded ZeRO states] in coded.py)."""
+        return StateFormat(self.exp_avg_dtype, self.exp_avg_sq_dtype, self.store_param_remainders, 0)
+
+    @property
+    def layout_alignment(self) -> int:
+        """alignment_bytes of the bucket layout: with a blockwise moment format every slice must hold whole
+        256-element quantization blocks, at every working dtype ([Note: coded ZeRO states])."""
+        blockwise = {self.exp_avg_dtype, self.exp_avg_sq_dtype} & set(BLOCKWISE)
+        return max(self.alignment_bytes, BLOCK * 4) if blockwise else self.alignment_bytes
+
     def agreement_key(self) -> tuple:
         """What every rank must agree on (plain data for the cross-rank signature)."""
-        key = (self.stage, self.bucket_size, str(self.param_dtype), str(self.reduce_dtype), self.alignment_bytes)
+        key = (self.stage, self.bucket_size, str(self.param_dtype), str(self.reduce_dtype), self.alignment_bytes,
+               str(self.exp_avg_dtype), str(self.exp_avg_sq_dtype), self.store_param_remainders)
         return key + tuple(k for k in ("quantize_weights", "quantize_grads") if getattr(self, k))
 
 

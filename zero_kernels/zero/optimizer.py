@@ -61,6 +61,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.mesh = zmesh                               # shard_group (= process_group) and replicate_group
         self.timeout = cfg.timeout                      # [Note: collective timeouts]
         self.backend, self._fused, self._device = plan_.backend, backends.get(plan_.backend), plan_.device
+        self._coded_backend = plan_.coded_backend       # [Note: coded ZeRO states] (coded.py)
         # ---- 5. bind: parameters become views of the buckets, hooks registered ----------------------
         self.buckets = bind(plan_, cfg, strategy_cls, any(g["amsgrad"] for g in self.param_groups))
         self._frozen = [p for _, p in plan_.params.frozen]
@@ -202,7 +203,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             self.strategy.wait_bucket(b)
             if any(bool(active[i]) for i in b.spec.params):
                 step_bucket(b, self.param_groups[b.spec.group], active, self.steps, scale, self._fused,
-                            self.adamw, self._device)
+                            self.adamw, self._device, self._coded_backend)
                 self.strategy.after_bucket_step(b)
         self.strategy.end_step()
 

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..memory import model_state_bytes
+from ..memory import STATE_FORMATS, model_state_bytes
 from .buckets import FlatBucket
 
 __all__ = ["nbytes", "state_report", "finish_report"]
@@ -21,9 +21,22 @@ def state_report(buckets: Sequence[FlatBucket], params_bytes: int) -> dict[str, 
     return {"params": params_bytes,
             "grads": sum(nbytes(b.reduce.grad_slice) + nbytes(b.reduce.spare_slice) + nbytes(b.reduce.acc)
                          + nbytes(b.reduce.late_acc) for b in buckets),
-            "master_params": sum(0 if b.master_is_param else nbytes(b.master) for b in buckets),
-            "exp_avg": sum(nbytes(b.optim.exp_avg) for b in buckets),
-            "exp_avg_sq": sum(nbytes(b.optim.exp_avg_sq) + nbytes(b.optim.max_exp_avg_sq) for b in buckets)}
+            "master_params": sum(nbytes(b.remainder) + (0 if b.master_is_param else nbytes(b.master)) for b in buckets),
+            "exp_avg": sum(_moment_bytes(b, "exp_avg") for b in buckets),
+            "exp_avg_sq": sum(_moment_bytes(b, "exp_avg_sq") + nbytes(b.optim.max_exp_avg_sq) for b in buckets)}
+
+
+def _moment_bytes(b: FlatBucket, key: str) -> int:
+    """A moment's stored bytes: codes (or values) and, for blockwise formats, its block scales."""
+    return nbytes(b.optim.tensors[key]) + nbytes(b.optim.tensors.get(key + "_scale"))
+
+
+def _format_bytes(fmt) -> tuple[float, float]:
+    """(master bytes per fp32-master element, optimizer-state bytes per element) of a state format, from
+    zero_kernels.memory.STATE_FORMATS (the planner's rule)."""
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.uint8: "8bit", torch.float8_e4m3fn: "8bit"}
+    optim = STATE_FORMATS[name[fmt.exp_avg_dtype]] + STATE_FORMATS[name[fmt.exp_avg_sq_dtype]]
+    return (2 if fmt.store_param_remainders else 4), optim
 
 
 def finish_report(rep: dict[str, Any], buckets: Sequence[FlatBucket], module: nn.Module, frozen, stage: int,
@@ -34,8 +47,9 @@ def finish_report(rep: dict[str, Any], buckets: Sequence[FlatBucket], module: nn
     rep["total"] = sum(rep[k] for k in ("params", "grads", "master_params", "exp_avg", "exp_avg_sq"))
     pbytes = buckets[0].dtype.itemsize
     gbytes = pbytes if stage == 1 else reduce_dtype.itemsize
-    mbytes = 0 if all(b.master_is_param for b in buckets) else 4
+    master_bytes, optim_bytes = _format_bytes(buckets[0].fmt)
+    mbytes = 0 if all(b.master_is_param for b in buckets) else master_bytes
     rep["predicted"] = model_state_bytes(psi, world, stage, param_bytes=pbytes, grad_bytes=gbytes,
-                                         master_bytes=mbytes, optim_bytes=8)
+                                         master_bytes=mbytes, optim_bytes=optim_bytes)
     rep["padding_elements"] = sum(b.spec.padded_numel - b.spec.numel for b in buckets)
     return rep

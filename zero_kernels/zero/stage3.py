@@ -104,7 +104,8 @@ class Stage3(HookReduced):
 
     @staticmethod
     def new_bucket(layout, index, rank, params, device, amsgrad, config) -> UnitBucket:
-        return UnitBucket(layout, index, rank, params, device, amsgrad, use_gather_cache=config.gather_cache,
+        return UnitBucket(layout, index, rank, params, device, amsgrad, config.state_format,
+                          use_gather_cache=config.gather_cache,
                           quantize_weights=config.quantize_weights)
 
     def __init__(self, ctx: StrategyContext, units: list[tuple[str, nn.Module]]):
@@ -163,7 +164,7 @@ class Stage3(HookReduced):
 
     def full_flat(self, b: FlatBucket) -> Tensor:
         flat = torch.empty(b.spec.padded_numel, dtype=torch.float32, device=b.device)
-        flat[b.slice_start:b.slice_end].copy_(b.master)
+        flat[b.slice_start:b.slice_end].copy_(b.master_fp32())
         C.wait(C.all_gather_bucket(flat, self.ctx.rank, self.ctx.group, async_op=False))
         return flat
 

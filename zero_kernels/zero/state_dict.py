@@ -2,22 +2,27 @@
 full model (``full_model_state_dict``). Resharding checkpoints are zero_kernels/checkpoint.py.
 
 [Note: shard state dict]
-A shard holds, per bucket, this rank's fp32 slices (master, exp_avg, exp_avg_sq, and
-max_exp_avg_sq with amsgrad), per parameter its step count, the groups' hyper-parameters and the
-layout (plain data) with its fingerprint. It loads only into the same rank of the same layout;
-everything is checked (and the restored hyper-parameters validated, hparams.py) before anything
+A shard holds, per bucket, this rank's slices as stored (``FlatBucket.state_tensors``: fp32 master,
+exp_avg, exp_avg_sq, and max_exp_avg_sq with amsgrad; with coded states the codes and block scales,
+and ``master_remainder`` + ``params16``, the bf16 slice it completes: [Note: coded ZeRO states]),
+per parameter its step count, the groups' hyper-parameters and the layout (plain data) with its
+fingerprint. It loads only into the same rank of the same layout, bit for bit; a shard of another
+state format converts (decoded to fp32, encoded into this optimizer's format, with a warning).
+Everything is checked (and the restored hyper-parameters validated, hparams.py) before anything
 changes.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-import torch
+import warnings
+
 from torch import Tensor, nn
 
 from ..hparams import validate_hparams
 from ..state_keys import keyed_state
 from .buckets import FlatBucket
+from .coded import decode_saved, saved_problem
 from ..layout import Layout
 
 __all__ = ["SHARD_FORMAT", "SHARD_VERSION", "shard_state_dict", "check_shard", "apply_shard",
@@ -33,7 +38,14 @@ def shard_state_dict(stage: int, rank: int, world: int, layout: Layout, steps: S
     return {"format": SHARD_FORMAT, "version": SHARD_VERSION, "stage": stage, "rank": rank, "world_size": world,
             "layout_fingerprint": layout.fingerprint(), "layout": layout.to_dict(), "steps": list(steps),
             "param_groups": groups,
-            "state": [{k: t.detach().clone() for k, t in b.state_tensors().items()} for b in buckets]}
+            "state": [_stored(b) for b in buckets]}
+
+
+def _stored(b: FlatBucket) -> dict[str, Tensor]:
+    d = {k: t.detach().clone() for k, t in b.state_tensors().items()}
+    if b.remainder is not None:
+        d["params16"] = b.owned_params.detach().clone()     # the bf16 half of the master
+    return d
 
 
 def check_shard(sd: dict[str, Any], layout: Layout, world: int, rank: int, buckets: Sequence[FlatBucket],
@@ -55,25 +67,46 @@ def check_shard(sd: dict[str, Any], layout: Layout, world: int, rank: int, bucke
         raise ValueError(f"this shard belongs to rank {sd.get('rank')}, but this is rank {rank}: load each "
                          "rank's own shard")
     for b, st in zip(buckets, sd["state"]):
-        for k, t in b.state_tensors().items():
-            if k not in st or st[k].shape != t.shape:
-                raise ValueError(f"shard bucket {b.index}: missing or mis-shaped {k!r}")
+        if not _same_format(b, st):
+            why = saved_problem(st, b.spec.shard_numel, b.amsgrad)
+            if why is not None:
+                raise ValueError(f"shard bucket {b.index}: {why}. Nothing was loaded.")
     for gi, (g, saved) in enumerate(zip(param_groups, sd["param_groups"])):
         h = {**g, **saved}
         validate_hparams(h["lr"], h["betas"], h["eps"], h["weight_decay"], where=f" in param_groups[{gi}]")
 
 
 def apply_shard(sd: dict[str, Any], buckets: Sequence[FlatBucket], param_groups: list[dict]) -> list[int]:
-    """Copy a checked shard into the buckets and groups; returns the step counts."""
+    """Copy a checked shard into the buckets and groups (converting another state format); returns the
+    step counts."""
+    converted = 0
     for b, st in zip(buckets, sd["state"]):
+        if not _same_format(b, st):
+            b.store_fp32_states(decode_saved(st, b.amsgrad), max(sd["steps"], default=0))
+            converted += 1
+            continue
         for k, t in b.state_tensors().items():
             t.copy_(st[k])
-        if not b.master_is_param:
+        if b.remainder is not None:
+            b.owned_params.copy_(st["params16"])
+        elif not b.master_is_param:
             b.owned_params.copy_(b.master)
+    if converted:
+        warnings.warn(f"load_state_dict converted {converted} bucket slice(s) saved in another optimizer-state format "
+                      f"to this optimizer's ({buckets[0].fmt}): decoded to fp32 and encoded with zero_kernels.codecs "
+                      "([Note: coded ZeRO states])", UserWarning, stacklevel=3)
     for g, saved in zip(param_groups, sd["param_groups"]):
         for k, v in saved.items():
             g[k] = tuple(v) if k == "betas" else v
     return list(sd["steps"])
+
+
+def _same_format(b: FlatBucket, st: dict[str, Any]) -> bool:
+    """``st`` holds exactly b's stored tensors (keys, dtypes, shapes): it loads by copying, bit for bit."""
+    mine = b.state_tensors()
+    want = set(mine) | ({"params16"} if b.remainder is not None else set())
+    return set(st) == want and all(isinstance(st[k], Tensor) and st[k].dtype == t.dtype and st[k].shape == t.shape
+                                   for k, t in mine.items())
 
 
 def full_model_state_dict(buckets: Sequence[FlatBucket], module: nn.Module,

@@ -31,6 +31,7 @@ from ..hparams import as_float, scalar_lr
 from ..reference import compute_coeffs
 from . import collectives as C
 from .buckets import FlatBucket
+from .coded import step_coded_slice, step_decoded_slice
 
 __all__ = ["param_runs", "step_bucket", "global_norm"]
 
@@ -50,22 +51,40 @@ def param_runs(b: FlatBucket, active: Tensor, steps: Sequence[int]) -> list[tupl
 
 
 def step_bucket(b: FlatBucket, group: dict, active: Tensor, steps: Sequence[int], scale: Tensor,
-                fused: Callable, adamw: bool, device: torch.device) -> None:
-    """One fused-Adam call over the active runs of b's slice (hyper-parameters of ``group``)."""
+                fused: Callable, adamw: bool, device: torch.device, coded_backend: str | None = None) -> None:
+    """One fused-Adam call over the active runs of b's slice (hyper-parameters of ``group``); coded
+    states: [Note: coded ZeRO states] in coded.py (``coded_backend`` runs the whole-slice case)."""
     runs = param_runs(b, active, steps)
     if not runs:
         return
+    if b.optim.coded or b.remainder is not None:
+        if len(runs) == 1 and runs[0][:2] == (0, b.pieces[-1].start + b.pieces[-1].numel) \
+                and len({steps[pc.param] for pc in b.pieces}) == 1:
+            step_coded_slice(b, group, runs[0][2], scale, coded_backend, adamw)
+        else:
+            step_decoded_slice(b, lambda m, ea, eas, p16: _fused_runs(runs, group, m, b.reduce.grad_slice, ea, eas,
+                                                                   None, p16, scale, fused, adamw, device),
+                               max(s for _, _, s in runs))
+        return
+    st = b.optim
+    _fused_runs(runs, group, b.master, b.reduce.grad_slice, st.exp_avg, st.exp_avg_sq,
+                st.max_exp_avg_sq if group["amsgrad"] else None, None if b.master_is_param else b.owned_params,
+                scale, fused, adamw, device)
+
+
+def _fused_runs(runs, group: dict, master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
+                vmax: Tensor | None, p16: Tensor | None, scale: Tensor, fused: Callable, adamw: bool,
+                device: torch.device) -> None:
+    """The fp32 fused step of the fused-Adam contract on the runs (start, end, step) of one slice."""
     beta1, beta2 = (as_float(x) for x in group["betas"])
     sl = [slice(s, e) for s, e, _ in runs]
-    grad, st = b.reduce.grad_slice, b.optim
-    vmax = [st.max_exp_avg_sq[x] for x in sl] if group["amsgrad"] else None
-    p16 = None if b.master_is_param else [b.owned_params[x] for x in sl]
     counts = torch.tensor([s for _, _, s in runs], dtype=torch.float64)
     coeffs = compute_coeffs(counts, scalar_lr(group["lr"]), beta1, beta2, group["weight_decay"], adamw,
                             device=device)
-    fused([b.master[x] for x in sl], [grad[x] for x in sl], [st.exp_avg[x] for x in sl],
-          [st.exp_avg_sq[x] for x in sl], vmax, p16, coeffs, beta1=beta1, beta2=beta2, eps=group["eps"],
-          weight_decay=group["weight_decay"], adamw=adamw, maximize=group["maximize"], grad_scale=scale)
+    fused([master[x] for x in sl], [grad[x] for x in sl], [exp_avg[x] for x in sl], [exp_avg_sq[x] for x in sl],
+          None if vmax is None else [vmax[x] for x in sl], None if p16 is None else [p16[x] for x in sl], coeffs,
+          beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], adamw=adamw,
+          maximize=group["maximize"], grad_scale=scale)
 
 
 def global_norm(buckets: Sequence[FlatBucket], rank: int, norm_type: float, process_group,

@@ -57,7 +57,7 @@ class _GatheredParams:
 
     @staticmethod
     def new_bucket(layout, index, rank, params, device, amsgrad, config) -> FlatBucket:
-        return FlatBucket(layout, index, rank, params, device, amsgrad)
+        return FlatBucket(layout, index, rank, params, device, amsgrad, config.state_format)
 
     def __init__(self, ctx: StrategyContext):
         self.ctx = ctx
@@ -95,7 +95,7 @@ class _GatheredParams:
         if b.master_is_param:
             return b.param_flat.detach().clone()
         flat = torch.empty(b.spec.padded_numel, dtype=torch.float32, device=b.device)
-        flat[b.slice_start:b.slice_end].copy_(b.master)
+        flat[b.slice_start:b.slice_end].copy_(b.master_fp32())
         C.wait(C.all_gather_bucket(flat, self.ctx.rank, self.ctx.group, async_op=False))
         return flat
 

@@ -84,9 +84,9 @@ class UnitBucket(FlatBucket):
         if self.master_is_param:
             self.master = self.shard                         # the fp32 parameter slice IS the master
         else:
-            self.master = master_from_originals(self.spec, self.pieces, originals, self.device)
+            self.set_master(master_from_originals(self.spec, self.pieces, originals, self.device))
         self.param_flat = flat
-        self.optim = OptimState(self.spec.shard_numel, self.device, self.amsgrad)
+        self.optim = OptimState(self.spec.shard_numel, self.device, self.amsgrad, self.fmt)
         self.gather_state = GATHERED
         self.ag = None                                       # AllGatherResult in flight
         self.s3_arrived: set[int] = set()                    # params with a gradient this backward

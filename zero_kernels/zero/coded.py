@@ -1,0 +1,171 @@
+"""Coded (low-precision) optimizer states of a ZeRO bucket slice (issue 11).
+
+[Note: coded ZeRO states]
+``ZeroAdamW(..., exp_avg_dtype=, exp_avg_sq_dtype=, store_param_remainders=)`` keeps each rank's slice
+of each bucket in the codecs of zero_kernels/codecs.py ([Note: state codecs]), as flat tensors of the
+slice's ``shard_numel`` elements:
+
+    exp_avg, exp_avg_sq            fp32 | bf16 (stochastic rounding) | uint8 codes | float8_e4m3fn codes
+    exp_avg_scale, exp_avg_sq_scale fp32 [shard_numel / 256], blockwise formats only
+    master                         fp32 master slice (16-bit parameters), or
+    master_remainder               int16 (store_param_remainders: the master is the bf16 slice's bits + it)
+
+* Blocks: 256 elements counted from the slice's first element. With a blockwise format the layout
+  aligns every bucket to ``world * 256`` elements (``ZeroConfig.layout_alignment``), so every slice
+  holds whole blocks and no block straddles two ranks. (Blocks are per slice, not per parameter as in
+  FusedAdam: the same model at another world size quantizes other groups of elements.)
+* Stochastic rounding (bf16 moments): seed = the bucket index, flat index = the element's position in
+  its bucket (``slice_start + i``).
+* The step: when every piece of the slice is active with one step count (the normal case) the coded
+  kernel runs once over the whole slice (its padding is zero and stays zero: a zero gradient on zero
+  states changes nothing, and zeros never raise a block's absmax). Otherwise the slice is decoded to
+  fp32, the active runs take the fp32 step of step.py, and the slice is encoded again: the elements
+  of inactive pieces keep their masters and step counts, and their moments are re-encoded (their
+  decoded values move by at most one quantization step, only when their block's scale changed).
+* Everything that is not the step (checkpoints, DCP, full state dicts) reads and writes fp32 through
+  :func:`decode_slice` / :func:`encode_slice`; ``state_dict()`` holds the coded tensors themselves.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .. import codecs, optim_coded
+from ..hparams import StateFormat, as_float, scalar_lr
+
+__all__ = ["format_error", "new_moments", "remainder_of", "join_master", "decode_slice", "encode_slice",
+           "saved_problem", "decode_saved", "step_coded_slice", "step_decoded_slice", "coded_backend", "MOMENT_KEYS"]
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+_TABLES = codecs.TABLES
+
+
+def format_error(cfg, trainable, groups: Sequence[dict]) -> str | None:
+    """Why the model or the param groups cannot hold ``cfg.state_format``, or None."""
+    fmt: StateFormat = cfg.state_format
+    if not fmt.coded:
+        return None
+    if any(g.get("amsgrad", False) for g in groups):
+        return ("amsgrad=True is not supported with coded states (exp_avg_dtype / exp_avg_sq_dtype / "
+                "store_param_remainders): max_exp_avg_sq has no coded format; use amsgrad=False")
+    if fmt.store_param_remainders:
+        for n, p in trainable:
+            if (cfg.param_dtype or p.dtype) != torch.bfloat16:
+                return (f"store_param_remainders=True needs bf16 working parameters, but {n!r} would be "
+                        f"{cfg.param_dtype or p.dtype}: pass param_dtype=torch.bfloat16 (or drop store_param_remainders)")
+    return None
+
+
+def new_moments(numel: int, device: torch.device, fmt: StateFormat) -> dict[str, Tensor]:
+    """Zero moments of one slice in ``fmt`` (codes + scales for blockwise formats), no master, no step."""
+    st = codecs.init_coded_state(torch.empty(numel, dtype=torch.float32, device=device),
+                                 exp_avg_dtype=fmt.exp_avg_dtype, exp_avg_sq_dtype=fmt.exp_avg_sq_dtype,
+                                 min_8bit_size=0)
+    st.pop("step")
+    return st
+
+
+def remainder_of(master: Tensor) -> Tensor:
+    """The int16 remainder of an fp32 master slice whose bf16 rounding the working slice holds."""
+    return codecs.split_remainder(master)[1]
+
+
+def join_master(params16: Tensor, remainder: Tensor | None, master: Tensor | None) -> Tensor:
+    """The fp32 master slice: joined from (bf16 slice, remainder), else ``master`` itself."""
+    return codecs.join_remainder(params16, remainder) if remainder is not None else master
+
+
+def decode_slice(moments: dict[str, Tensor]) -> dict[str, Tensor]:
+    """fp32 copies of a slice's coded moments."""
+    return {k: codecs.decode_moment(moments, k, _TABLES[k]).float().clone() for k in MOMENT_KEYS}
+
+
+def encode_slice(moments: dict[str, Tensor], fp32: dict[str, Tensor], seed: int, step: int,
+                 index_offset: int) -> None:
+    """Encode fp32 moments into the slice's coded tensors, in place (bf16: stochastic rounding keyed as the step)."""
+    for stream, k in enumerate(MOMENT_KEYS):
+        sr = dict(seed=seed, step=step, stream=stream, index_offset=index_offset)
+        codecs.encode_moment(moments, k, fp32[k].to(moments[k].device, torch.float32), _TABLES[k], "stochastic", sr)
+
+
+def saved_problem(st: dict, numel: int, amsgrad: bool) -> str | None:
+    """Why a saved slice (fp32 or coded, [Note: shard state dict]) cannot be decoded to ``numel`` fp32
+    elements, or None."""
+    if not isinstance(st, dict):
+        return f"a slice's state is a {type(st).__name__}, not a dict"
+    need = ["exp_avg", "exp_avg_sq"] + (["master"] if "master" in st else ["master_remainder", "params16"])
+    if amsgrad:
+        need.append("max_exp_avg_sq")
+    for k in need:
+        t = st.get(k)
+        if not isinstance(t, Tensor) or t.shape != (numel,):
+            return (f"state {k!r} is missing or not a [{numel}] tensor (got "
+                    f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}); was it saved for another layout?")
+    for k in MOMENT_KEYS:
+        if st[k].dtype in codecs.BLOCKWISE:
+            s = st.get(k + "_scale")
+            if not isinstance(s, Tensor) or s.shape != (-(-numel // codecs.BLOCK),):
+                return f"state {k!r} holds {st[k].dtype} codes but no [{-(-numel // codecs.BLOCK)}] {k}_scale"
+        elif st[k].dtype not in codecs.MOMENT_DTYPES:
+            return f"state {k!r} has dtype {st[k].dtype}, not a moment format {list(codecs.MOMENT_DTYPES)}"
+    return None
+
+
+def decode_saved(st: dict, amsgrad: bool) -> dict[str, Tensor]:
+    """A checked saved slice (:func:`saved_problem`) as fp32 ``master``, ``exp_avg``, ``exp_avg_sq``
+    (and ``max_exp_avg_sq`` with amsgrad: zeros when the slice has none)."""
+    master = st["master"].float() if "master" in st else codecs.join_remainder(st["params16"], st["master_remainder"])
+    out = {"master": master, **decode_slice(st)}
+    if amsgrad:
+        out["max_exp_avg_sq"] = st["max_exp_avg_sq"].float() if "max_exp_avg_sq" in st else \
+            torch.zeros_like(out["exp_avg"])
+    return out
+
+
+_WARNED: set = set()
+
+
+def coded_backend(request: str, device: torch.device) -> str:
+    """The backend that runs coded slices on ``device`` (optim_coded.resolve_backend's rule, warned once)."""
+    key = (request, str(device))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        name = optim_coded.resolve_backend(request, device)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        for w in caught:
+            warnings.warn(w.message, w.category, stacklevel=3)
+    return name
+
+
+def step_coded_slice(b, group: dict, step: int, scale: Tensor, backend: str, adamw: bool) -> None:
+    """One coded step of bucket ``b``'s whole slice (every piece active with step count ``step``)."""
+    beta1, beta2 = (as_float(x) for x in group["betas"])
+    hp = dict(lr=scalar_lr(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
+              weight_decay=float(group["weight_decay"]), adamw=adamw, maximize=bool(group["maximize"]))
+    st = dict(b.optim.tensors)
+    st["step"] = torch.full((), float(step - 1), dtype=torch.float32, device=b.device)
+    if b.remainder is not None:
+        st["master_remainder"], param = b.remainder, b.owned_params
+    elif b.master_is_param:
+        param = b.master
+    else:
+        st["master_param"], param = b.master, b.owned_params
+    optim_coded.run_coded(backend, [param], [b.reduce.grad_slice], [st], [b.index], [b.slice_start], hp,
+                          grad_scale=scale, found_inf=None)
+
+
+def step_decoded_slice(b, runs: list[tuple[int, int, int]], fused_step, step: int) -> None:
+    """The mixed case of the Note: decode the slice, ``fused_step(master, exp_avg, exp_avg_sq, params16)``
+    runs the fp32 step on the runs, encode again (the remainder re-split from the new master)."""
+    fp32 = decode_slice(b.optim.tensors)
+    master = b.master_fp32().clone() if b.remainder is not None else b.master
+    fused_step(master, fp32["exp_avg"], fp32["exp_avg_sq"], None if b.master_is_param else b.owned_params)
+    encode_slice(b.optim.tensors, fp32, b.index, step, b.slice_start)
+    if b.remainder is not None:
+        hi, rem = codecs.split_remainder(master)
+        b.owned_params.copy_(hi)
+        b.remainder.copy_(rem)
