@@ -197,19 +197,50 @@ def test_kernel_header_compiles_without_torch(name, compiles):
     _check(name + " (without torch)", compiles)
 
 
+# The NaN-propagating max each kernel header must show in its PTX (a header not listed fails: say
+# which max it takes): torch.maximum for amsgrad, and the coded kernel's block absmax, taken on the
+# bits as unsigned integers (every NaN lies above +inf) by one warp reduction.
+NAN_MAX = {
+    "cuda_adam_kernel.cuh": (r"\b(?:max|min)\.NaN\.f32\b", "amsgrad's max.NaN.f32"),
+    "cuda_adam_coded_kernel.cuh": (r"\bredux\.sync\.max\.u32\b", "the block absmax's redux.sync.max.u32"),
+}
+
+
+def _ptx(name: str, arch: int, compiles: dict) -> str:
+    label = f"{name} (without torch)"
+    assert compiles[label][0] == 0, f"nvcc failed on {label}: see test_kernel_header_compiles_without_torch"
+    ptx = compiles.get(f"{label} PTX sm_{arch}", (None, ""))[1]
+    assert ptx, f"nvcc -keep left no compute_{arch} PTX for {label}"
+    return ptx
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", [os.path.basename(p) for p in CUH_FILES])
 def test_kernel_ptx_is_ieee(name, arch, compiles):
     """The CUDA kernels' PTX follows the Triton kernels' rule ([Note: IEEE numerics in the PTX] in
     tests/test_codegen.py, same checker): no fma, approximate or flush-to-zero fp32 instruction, and
-    the amsgrad max propagates NaN (max.NaN.f32), under the build's flags."""
+    the header's max propagates NaN (NAN_MAX), under the build's flags."""
     from test_codegen import ptx_ieee_counts
-    label = f"{name} (without torch)"
-    assert compiles[label][0] == 0, f"nvcc failed on {label}: see test_kernel_header_compiles_without_torch"
-    ptx = compiles.get(f"{label} PTX sm_{arch}", (None, ""))[1]
-    assert ptx, f"nvcc -keep left no compute_{arch} PTX for {label}"
+    ptx = _ptx(name, arch, compiles)
     counts = ptx_ieee_counts(ptx)
     print(f"\n{name} sm_{arch}: {counts}")
     bad = {k: n for k, n in counts.items() if n and k != "max.NaN"}
     assert not bad, f"{name} sm_{arch}: non-IEEE instructions in the PTX: {bad}"
-    assert counts["max.NaN"] > 0, f"{name} sm_{arch}: no NaN-propagating max (amsgrad) in the PTX"
+    assert name in NAN_MAX, f"{name}: add it to NAN_MAX (which NaN-propagating max its PTX must contain)"
+    pattern, what = NAN_MAX[name]
+    body = "\n".join(line.split("//")[0] for line in ptx.splitlines())
+    assert re.search(pattern, body), f"{name} sm_{arch}: no NaN-propagating max ({what}) in the PTX"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", [os.path.basename(p) for p in CUH_FILES])
+def test_kernel_ptx_streams(name, arch, compiles):
+    """Streaming kernels: 128-bit global loads and stores on their vector paths, and no shared memory
+    (the coded kernel's block absmax is a warp reduction, [Note: the coded CUDA kernel])."""
+    body = "\n".join(line.split("//")[0] for line in _ptx(name, arch, compiles).splitlines())
+    wide_ld = len(re.findall(r"\bld\.global(?:\.nc)?(?:\.L\w+::\w+)*\.v4\.", body))
+    wide_st = len(re.findall(r"\bst\.global(?:\.L\w+::\w+)*\.v4\.", body))
+    shared = len(re.findall(r"\.shared\b", body))
+    print(f"\n{name} sm_{arch}: 128-bit loads {wide_ld}, stores {wide_st}, shared-memory references {shared}")
+    assert wide_ld and wide_st, f"{name} sm_{arch}: no 128-bit global accesses in the PTX"
+    assert shared == 0, f"{name} sm_{arch}: {shared} shared-memory references in the PTX"

@@ -1,0 +1,383 @@
+// Fused Adam/AdamW on coded (low-precision) optimizer states: the CUDA kernel proper (no torch headers).
+//
+// Definition: [Note: state codecs] in zero_kernels/codecs.py; reference step codecs.adam_step_coded
+// (decode -> the fp32 update of the fused-Adam contract -> encode); Triton twin kernels/adam_coded.py
+// with its device codecs kernels/_codecs.py, which this file follows rule for rule. Host launcher:
+// csrc/cuda_adam_coded.cu. Torch-free for tests/test_nvcc.py, like csrc/cuda_adam_kernel.cuh (see
+// [Note: why the kernel lives in a torch-free header] there), whose multi-tensor layout, IEEE helpers
+// and per-element update (adam_update) this kernel reuses unchanged.
+//
+// [Note: the coded CUDA kernel]
+// Work split. A launch covers up to kCodedMaxTensors tensors of ONE layout (master kind, moment kinds:
+// template parameters; gradient and 16-bit parameter dtypes: launch-uniform runtime switches, which
+// cost a branch per 8 elements and keep 32 instead of 288 instantiations). Each tensor owns a range of
+// blocks, found by the prefix-sum scan of [Note: multi-tensor layout]. A block of 8 warps handles
+// kCodedChunk = 2048 elements: each WARP one whole 256-element quantization block (codecs.BLOCK,
+// counted from the tensor's element 0; chunk starts are multiples of 256), lane l its elements
+// 8l .. 8l+7. So the block absmax that sets the new scale is a per-thread
+// max of 8 and one warp reduction (redux.sync.max.u32 on sm_80+, shuffles below): no shared memory,
+// no __syncthreads. The absmax is taken on the bits, as the Triton kernel does: |x| as uint32 orders
+// like the floats and every NaN lies above +inf, so the max is NaN when the block holds one (torch.amax).
+// Accesses. When the quantization block is whole and every pointer of the tensor is aligned, each
+// thread moves its 8 elements with 128-bit accesses (two per fp32 array, one per 16-bit array) and one
+// 64-bit access for the 8 uint8 / float8 codes; the code books and midpoints are read through the
+// read-only cache (1 KB each, L1-resident). A partial last block, or a tensor at an unaligned address,
+// takes element-wise accesses of the same registers (invalid lanes read 0 and stay out of the absmax).
+// Numerics. Every codec is integer work on the bits plus IEEE fp32 operations (the inline-PTX helpers
+// of cuda_adam_kernel.cuh: div.rn, add.rn, mul.rn), so the result is the reference's, bit for bit.
+#pragma once
+
+#include "cuda_adam_kernel.cuh"
+
+namespace zk {
+namespace cuda_adam_coded {
+
+using zk::cuda_adam::AdamScalars;
+using zk::cuda_adam::Coef;
+using zk::cuda_adam::kThreads;
+
+constexpr int kQBlock = 256;                              // codecs.BLOCK: elements per block scale
+constexpr int kLaneElems = kQBlock / 32;                  // 8 elements per thread (one warp, one block)
+constexpr int64_t kCodedChunk = int64_t(kQBlock) * (kThreads / 32);  // 2048 elements per block
+// 3 x 256 threads per SM: at most 80 registers. The 8-bit encode's binary search keeps 8 codes, 8
+// quotients and their gather addresses live next to the other moment: 64 registers (4 blocks) spill.
+// A block does ONE quantization block per warp (no loop): with a loop, its invariants (7 tensor
+// pointers, coefficients, keys) spilled even at 80 registers. tests/test_nvcc.py prints the counts.
+constexpr int kCodedMinBlocksPerSM = 3;
+constexpr int kCodedMaxTensors = 40;                      // tensors per launch (parameter space < 4 KB)
+constexpr float kF8Max = 448.0f;                          // codecs.F8_MAX: largest finite e4m3fn
+static_assert(kThreads % 32 == 0 && kCodedChunk % kQBlock == 0, "blocks must hold whole warps and blocks");
+
+// Master layout (template parameter): as MASTER_KIND of kernels/adam_coded.py.
+enum MasterKind : int { kMasterF32 = 0, kMasterRemainder = 1 };
+// Moment format (template parameters): as M_KIND / V_KIND of kernels/adam_coded.py.
+enum MomentKind : int { kMomF32 = 0, kMomBF16 = 1, kMomU8 = 2, kMomF8 = 3 };
+// Gradient / 16-bit parameter dtype (runtime, launch-uniform): 0 = fp32 / none, 1 = bf16, 2 = fp16.
+enum Dtype16 : int { kNone = 0, kBF16 = 1, kF16 = 2 };
+
+// Pointer slots of a table row.
+enum CodedSlot : int {
+  kMaster = 0,   // fp32 master (or the fp32 parameter) | int16 remainder (kMasterRemainder)
+  kGrad,         // fp32 | bf16 | fp16 gradient, read only
+  kExpAvg,       // exp_avg in its stored format (fp32 | bf16 | uint8 | float8_e4m3fn)
+  kExpAvgSq,     // exp_avg_sq, likewise
+  kExpAvgScale,  // fp32 [ceil(numel / 256)] block scales of exp_avg (blockwise formats), else nullptr
+  kExpAvgSqScale,  // likewise for exp_avg_sq
+  kParam16,      // bf16 | fp16 parameter copy, nullptr when absent; the bf16 parameter with remainders
+  kCodedSlots
+};
+
+struct CodedTensorTable {
+  int32_t ntensors;                          // rows in use
+  int32_t row[kCodedMaxTensors];             // row of the [T, 3] coeffs and keys tensors
+  int32_t block_end[kCodedMaxTensors];       // inclusive prefix sum of ceil(numel / kCodedChunk)
+  int64_t numel[kCodedMaxTensors];           // elements of the tensor
+  void* ptr[kCodedSlots][kCodedMaxTensors];  // see CodedSlot
+};
+
+// Everything that is the same for all tensors of a launch.
+struct CodedScalars {
+  AdamScalars adam;       // coeffs, grad_scale, found_inf and the update's scalars (cuda_adam_kernel.cuh)
+  const int64_t* keys;    // [T, 3] on the device: SR key of exp_avg, of exp_avg_sq (uint32 values), and
+                          // the flat index of element 0 (index_offset, used mod 2^32)
+  const float* m_table;   // [256] exp_avg code book (kMomU8), read only
+  const float* m_mid;     // [255] its midpoints
+  const float* v_table;   // [256] exp_avg_sq code book
+  const float* v_mid;     // [255] its midpoints
+  int32_t grad_dtype;     // Dtype16: kNone means fp32
+  int32_t p16_dtype;      // Dtype16 of params16 (kBF16 with remainders), kNone when absent
+};
+
+static_assert(sizeof(CodedTensorTable) + sizeof(CodedScalars) <= 3968,
+              "kernel parameters must stay under the 4 KB limit");
+
+// ---- raw element access: 8 consecutive elements as zero-extended uint32 bits --------------------
+template <typename T>
+__device__ __forceinline__ bool vec_aligned(const void* p) {
+  constexpr uintptr_t kAlign = sizeof(T) * kLaneElems < 16 ? sizeof(T) * kLaneElems : 16;
+  return (reinterpret_cast<uintptr_t>(p) & (kAlign - 1)) == 0;
+}
+
+// vec: all 8 valid and `p` aligned (vec_aligned): 128-bit accesses (64-bit for bytes). Otherwise
+// element-wise, the first `valid` only; the others read as 0.
+template <typename T>
+__device__ __forceinline__ void load8(const void* p_, bool vec, int valid, uint32_t (&out)[kLaneElems]) {
+  const T* __restrict__ p = static_cast<const T*>(p_);
+  if (vec) {
+    if constexpr (sizeof(T) == 4) {
+      const uint4 a = reinterpret_cast<const uint4*>(p)[0], b = reinterpret_cast<const uint4*>(p)[1];
+      out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+      out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+    } else if constexpr (sizeof(T) == 2) {
+      const uint4 a = *reinterpret_cast<const uint4*>(p);
+      const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) { out[2 * j] = w[j] & 0xFFFFu; out[2 * j + 1] = w[j] >> 16; }
+    } else {
+      const uint2 a = *reinterpret_cast<const uint2*>(p);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) { out[j] = (a.x >> (8 * j)) & 0xFFu; out[4 + j] = (a.y >> (8 * j)) & 0xFFu; }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kLaneElems; ++j) out[j] = j < valid ? uint32_t(p[j]) : 0u;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store8(void* p_, bool vec, int valid, const uint32_t (&in)[kLaneElems]) {
+  T* __restrict__ p = static_cast<T*>(p_);
+  if (vec) {
+    if constexpr (sizeof(T) == 4) {
+      reinterpret_cast<uint4*>(p)[0] = make_uint4(in[0], in[1], in[2], in[3]);
+      reinterpret_cast<uint4*>(p)[1] = make_uint4(in[4], in[5], in[6], in[7]);
+    } else if constexpr (sizeof(T) == 2) {
+      *reinterpret_cast<uint4*>(p) = make_uint4(in[0] | (in[1] << 16), in[2] | (in[3] << 16),
+                                                in[4] | (in[5] << 16), in[6] | (in[7] << 16));
+    } else {
+      *reinterpret_cast<uint2*>(p) = make_uint2(in[0] | (in[1] << 8) | (in[2] << 16) | (in[3] << 24),
+                                                in[4] | (in[5] << 8) | (in[6] << 16) | (in[7] << 24));
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kLaneElems; ++j)
+      if (j < valid) p[j] = T(in[j]);
+  }
+}
+
+// ---- codecs ([Note: state codecs]; each mirrors the function of kernels/_codecs.py it names) -------
+__device__ __forceinline__ uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  return h ^ (h >> 16);
+}
+
+// encode_bf16_sr: `index` is the element's flat index mod 2^32 (offset in the tensor + index_offset).
+__device__ __forceinline__ uint32_t encode_bf16_sr(float x, uint32_t index, uint32_t key) {
+  const uint32_t r = fmix32(index ^ key) >> 16;
+  return x != x ? 0x7FC0u : (__float_as_uint(x) + r) >> 16;
+}
+
+// decode_f8: float8_e4m3fn bits -> fp32, exactly (subnormals m * 2^-9; 0x7F / 0xFF are NaN).
+__device__ __forceinline__ float decode_f8(uint32_t c) {
+  const uint32_t e = (c >> 3) & 0xFu, mant = c & 7u;
+  float mag = e == 0 ? zk::cuda_adam::mul_rn(__uint2float_rn(mant), 0.001953125f)
+                     : __uint_as_float(((e + 120u) << 23) | (mant << 20));
+  if ((c & 0x7Fu) == 0x7Fu) mag = __uint_as_float(__float_as_uint(mag) | 0x7FC00000u);
+  return (c & 0x80u) ? zk::cuda_adam::neg(mag) : mag;
+}
+
+// encode_f8: fp32 -> float8_e4m3fn bits, round to nearest even as torch converts (c10
+// fp8e4m3fn_from_fp32_value): >= 480, inf and NaN -> 0x7F; below 2^-6 through an fp32 add of 2^14.
+__device__ __forceinline__ uint32_t encode_f8(float y) {
+  const uint32_t b = __float_as_uint(y);
+  const uint32_t sign = (b >> 24) & 0x80u, a = b & 0x7FFFFFFFu;
+  const uint32_t small = __float_as_uint(zk::cuda_adam::add_rn(__uint_as_float(a), 16384.0f)) - (141u << 23);
+  const uint32_t normal = (a - (120u << 23) + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;  // wraps only off this path
+  const uint32_t code = a >= (1087u << 20) ? 0x7Fu : (a < (121u << 23) ? small : normal);
+  return (code & 0xFFu) | sign;
+}
+
+// encode_q8: the number of the 255 midpoints strictly below y (8-step branchless binary search);
+// 255 for NaN, as torch.bucketize places NaN after every boundary.
+__device__ __forceinline__ uint32_t encode_q8(float y, const float* __restrict__ mid) {
+  uint32_t code = 0;
+#pragma unroll
+  for (int b = 7; b >= 0; --b) {
+    const uint32_t step = 1u << b;
+    code = __ldg(mid + code + step - 1) < y ? code + step : code;
+  }
+  return y != y ? 255u : code;
+}
+
+// split_remainder: fp32 bits -> (bf16 = round-to-nearest-even, int16 remainder with the tie 0x8000
+// kept as 0x7FFF); a NaN master -> (0x7FC0, 0). join is (hi << 16) + sign-extended remainder.
+__device__ __forceinline__ void split_remainder(float p, uint32_t& hi, uint32_t& rem) {
+  const uint32_t b = __float_as_uint(p);
+  const uint32_t h = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  const int32_t r = min(int32_t(b - (h << 16)), 0x7FFF);
+  hi = p != p ? 0x7FC0u : h;
+  rem = p != p ? 0u : uint32_t(r) & 0xFFFFu;
+}
+
+// Max over the warp (all 32 lanes active).
+__device__ __forceinline__ uint32_t warp_max_u32(uint32_t a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(0xFFFFFFFFu, a);
+#else
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) a = max(a, __shfl_xor_sync(0xFFFFFFFFu, a, o));
+  return a;
+#endif
+}
+
+// One lane's 8 elements of a moment, decoded to fp32. `q`: the quantization block (scale index).
+template <int K>
+__device__ __forceinline__ void load_moment(const void* ptr, const float* __restrict__ scales,
+                                            const float* __restrict__ table, int64_t e0, int64_t q, bool vec,
+                                            int valid, float (&x)[kLaneElems]) {
+  uint32_t raw[kLaneElems];
+  if constexpr (K == kMomF32 || K == kMomBF16) {
+    load8<std::conditional_t<K == kMomF32, uint32_t, uint16_t>>(
+        static_cast<const char*>(ptr) + e0 * (K == kMomF32 ? 4 : 2), vec, valid, raw);
+#pragma unroll
+    for (int j = 0; j < kLaneElems; ++j) x[j] = __uint_as_float(K == kMomF32 ? raw[j] : raw[j] << 16);
+  } else {
+    load8<uint8_t>(static_cast<const uint8_t*>(ptr) + e0, vec, valid, raw);
+    const float scale = scales[q];   // one address for the whole warp: one broadcast transaction
+#pragma unroll
+    for (int j = 0; j < kLaneElems; ++j)
+      x[j] = zk::cuda_adam::mul_rn(K == kMomU8 ? __ldg(table + raw[j]) : decode_f8(raw[j]), scale);
+  }
+}
+
+// Encode one lane's 8 updated elements and store them; blockwise formats also store the block's new
+// scale (lane 0). Called by all 32 lanes of the warp (the absmax is a warp reduction).
+template <int K>
+__device__ __forceinline__ void store_moment(const float (&x)[kLaneElems], void* ptr, float* __restrict__ scales,
+                                             const float* __restrict__ mid, int64_t e0, int64_t q, bool vec,
+                                             int valid, uint32_t index0, uint32_t key) {
+  uint32_t raw[kLaneElems];
+  if constexpr (K == kMomF32 || K == kMomBF16) {
+#pragma unroll
+    for (int j = 0; j < kLaneElems; ++j)
+      raw[j] = K == kMomF32 ? __float_as_uint(x[j]) : encode_bf16_sr(x[j], index0 + uint32_t(j), key);
+    store8<std::conditional_t<K == kMomF32, uint32_t, uint16_t>>(
+        static_cast<char*>(ptr) + e0 * (K == kMomF32 ? 4 : 2), vec, valid, raw);
+  } else {
+    uint32_t amax = 0;   // block_absmax on the bits; lanes past the end contribute 0
+#pragma unroll
+    for (int j = 0; j < kLaneElems; ++j) amax = max(amax, j < valid ? __float_as_uint(x[j]) & 0x7FFFFFFFu : 0u);
+    float scale = __uint_as_float(warp_max_u32(amax));
+    if constexpr (K == kMomF8) scale = zk::cuda_adam::div_rn(scale, kF8Max);
+#pragma unroll
+    for (int j = 0; j < kLaneElems; ++j) {
+      const float y = scale == 0.0f ? 0.0f : zk::cuda_adam::div_rn(x[j], scale);   // codecs.scaled_blocks
+      raw[j] = K == kMomU8 ? encode_q8(y, mid) : encode_f8(y);
+    }
+    store8<uint8_t>(static_cast<uint8_t*>(ptr) + e0, vec, valid, raw);
+    if ((threadIdx.x & 31u) == 0) scales[q] = scale;
+  }
+}
+
+// kMasterKind: MasterKind. kM / kV: MomentKind of exp_avg / exp_avg_sq.
+template <int kMasterKind, int kM, int kV>
+__global__ void __launch_bounds__(kThreads, kCodedMinBlocksPerSM)
+fused_adam_coded_kernel(const __grid_constant__ CodedTensorTable table, const CodedScalars s) {
+  using zk::cuda_adam::Storage;
+  // found_inf on the device and on its bits (no host sync; NaN and subnormals skip too).
+  if (s.adam.found_inf != nullptr && (__float_as_uint(*s.adam.found_inf) & 0x7FFFFFFFu) != 0u) return;
+
+  const int32_t b = int32_t(blockIdx.x);
+  int t = 0;
+  while (t + 1 < table.ntensors && b >= table.block_end[t]) ++t;
+  const int64_t n = table.numel[t];
+  const int64_t chunk = int64_t(b - (t == 0 ? 0 : table.block_end[t - 1])) * kCodedChunk;
+
+  void* const master = table.ptr[kMaster][t];
+  const void* const grad = table.ptr[kGrad][t];
+  void* const m_ptr = table.ptr[kExpAvg][t];
+  void* const v_ptr = table.ptr[kExpAvgSq][t];
+  float* const m_scales = static_cast<float*>(table.ptr[kExpAvgScale][t]);
+  float* const v_scales = static_cast<float*>(table.ptr[kExpAvgSqScale][t]);
+  void* const p16 = table.ptr[kParam16][t];
+
+  const int64_t row = table.row[t];
+  const float* crow = s.adam.coeffs + row * 3;
+  const Coef c{crow[0], crow[1], crow[2]};
+  const uint32_t m_key = uint32_t(s.keys[row * 3]), v_key = uint32_t(s.keys[row * 3 + 1]);
+  const uint32_t index_offset = uint32_t(s.keys[row * 3 + 2]);
+  const float gs = s.adam.has_grad_scale ? *s.adam.grad_scale : 1.f;
+  const float gmul = s.adam.maximize ? zk::cuda_adam::neg(gs) : gs;   // as in fused_adam_kernel
+  const int gdt = s.grad_dtype, pdt = s.p16_dtype;
+
+  // May this tensor's whole blocks use vector accesses? (Per tensor, so uniform over the block.)
+  bool aligned = (kMasterKind == kMasterF32 ? vec_aligned<float>(master) : vec_aligned<int16_t>(master)) &&
+                 (gdt == kNone ? vec_aligned<float>(grad) : vec_aligned<uint16_t>(grad)) &&
+                 (pdt == kNone || vec_aligned<uint16_t>(p16));
+  aligned = aligned && (kM == kMomF32 ? vec_aligned<float>(m_ptr) : kM == kMomBF16 ? vec_aligned<uint16_t>(m_ptr)
+                                                                                  : vec_aligned<uint8_t>(m_ptr));
+  aligned = aligned && (kV == kMomF32 ? vec_aligned<float>(v_ptr) : kV == kMomBF16 ? vec_aligned<uint16_t>(v_ptr)
+                                                                                  : vec_aligned<uint8_t>(v_ptr));
+  const int lane = int(threadIdx.x & 31u);
+  const int64_t q = chunk / kQBlock + int64_t(threadIdx.x >> 5);   // this warp's quantization block
+  if (q * kQBlock >= n) return;   // warp-uniform: the block max below still sees all 32 lanes
+  const int64_t e0 = q * kQBlock + lane * kLaneElems;  // this lane's first element
+  const int64_t left = n - e0;
+  const int valid = left >= kLaneElems ? kLaneElems : (left > 0 ? int(left) : 0);
+  const bool vec = aligned && (q + 1) * kQBlock <= n;
+  uint32_t raw[kLaneElems];
+  float p[kLaneElems], g[kLaneElems], m[kLaneElems], v[kLaneElems];
+
+  if constexpr (kMasterKind == kMasterRemainder) {   // join_remainder: (bf16 << 16) + int16
+    uint32_t rem[kLaneElems];
+    load8<uint16_t>(static_cast<const uint16_t*>(p16) + e0, vec, valid, raw);
+    load8<uint16_t>(static_cast<const int16_t*>(master) + e0, vec, valid, rem);
+#pragma unroll
+    for (int j = 0; j < kLaneElems; ++j) p[j] = __uint_as_float((raw[j] << 16) + uint32_t(int32_t(int16_t(rem[j]))));
+  } else {
+    load8<uint32_t>(static_cast<const float*>(master) + e0, vec, valid, raw);
+#pragma unroll
+    for (int j = 0; j < kLaneElems; ++j) p[j] = __uint_as_float(raw[j]);
+  }
+  if (gdt == kNone) {
+    load8<uint32_t>(static_cast<const float*>(grad) + e0, vec, valid, raw);
+#pragma unroll
+    for (int j = 0; j < kLaneElems; ++j) g[j] = __uint_as_float(raw[j]);
+  } else {
+    load8<uint16_t>(static_cast<const uint16_t*>(grad) + e0, vec, valid, raw);
+#pragma unroll
+    for (int j = 0; j < kLaneElems; ++j)
+      g[j] = gdt == kBF16 ? __uint_as_float(raw[j] << 16) : __half2float(__ushort_as_half((unsigned short)raw[j]));
+  }
+  load_moment<kM>(m_ptr, m_scales, s.m_table, e0, q, vec, valid, m);
+  load_moment<kV>(v_ptr, v_scales, s.v_table, e0, q, vec, valid, v);
+
+#pragma unroll
+  for (int j = 0; j < kLaneElems; ++j) {
+    float unused = 0.f;
+    zk::cuda_adam::adam_update<false>(p[j], g[j], m[j], v[j], unused, c, gmul, s.adam);
+  }
+
+  if constexpr (kMasterKind == kMasterRemainder) {
+    uint32_t rem[kLaneElems];
+#pragma unroll
+    for (int j = 0; j < kLaneElems; ++j) split_remainder(p[j], raw[j], rem[j]);
+    store8<uint16_t>(static_cast<uint16_t*>(p16) + e0, vec, valid, raw);
+    store8<uint16_t>(static_cast<int16_t*>(master) + e0, vec, valid, rem);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kLaneElems; ++j) raw[j] = __float_as_uint(p[j]);
+    store8<uint32_t>(static_cast<float*>(master) + e0, vec, valid, raw);
+    if (pdt != kNone) {
+#pragma unroll
+      for (int j = 0; j < kLaneElems; ++j)   // round to nearest even, as torch casts (Storage<>)
+        raw[j] = pdt == kBF16 ? __bfloat16_as_ushort(Storage<__nv_bfloat16>::from_float(p[j]))
+                              : __half_as_ushort(Storage<__half>::from_float(p[j]));
+      store8<uint16_t>(static_cast<uint16_t*>(p16) + e0, vec, valid, raw);
+    }
+  }
+  // The moments last: p is dead by then, which leaves registers for the 8-bit encodes.
+  const uint32_t index0 = uint32_t(e0) + index_offset;   // flat index mod 2^32 of element e0
+  store_moment<kM>(m, m_ptr, m_scales, s.m_mid, e0, q, vec, valid, index0, m_key);
+  store_moment<kV>(v, v_ptr, v_scales, s.v_mid, e0, q, vec, valid, index0, v_key);
+}
+
+// Every (master, exp_avg, exp_avg_sq) layout, instantiated explicitly: by csrc/cuda_adam_coded.cu
+// (see [Note: host-only torch code] in csrc/cuda_adam.cu) and by tests/test_nvcc.py.
+#define ZK_CUDA_ADAM_CODED_INSTANTIATE_1(MK, M, V)                                                   \
+  template __global__ void zk::cuda_adam_coded::fused_adam_coded_kernel<MK, M, V>(                   \
+      const __grid_constant__ zk::cuda_adam_coded::CodedTensorTable, const zk::cuda_adam_coded::CodedScalars);
+#define ZK_CUDA_ADAM_CODED_INSTANTIATE_2(MK, M)                                            \
+  ZK_CUDA_ADAM_CODED_INSTANTIATE_1(MK, M, 0) ZK_CUDA_ADAM_CODED_INSTANTIATE_1(MK, M, 1) \
+  ZK_CUDA_ADAM_CODED_INSTANTIATE_1(MK, M, 2) ZK_CUDA_ADAM_CODED_INSTANTIATE_1(MK, M, 3)
+#define ZK_CUDA_ADAM_CODED_INSTANTIATE_3(MK)                                  \
+  ZK_CUDA_ADAM_CODED_INSTANTIATE_2(MK, 0) ZK_CUDA_ADAM_CODED_INSTANTIATE_2(MK, 1) \
+  ZK_CUDA_ADAM_CODED_INSTANTIATE_2(MK, 2) ZK_CUDA_ADAM_CODED_INSTANTIATE_2(MK, 3)
+#define ZK_CUDA_ADAM_CODED_INSTANTIATE_ALL() \
+  ZK_CUDA_ADAM_CODED_INSTANTIATE_3(0) ZK_CUDA_ADAM_CODED_INSTANTIATE_3(1)
+
+}  // namespace cuda_adam_coded
+}  // namespace zk

@@ -1,0 +1,164 @@
+"""Coded optimizer states (issue 11) on CUDA: FusedAdam/FusedAdamW with backend="cuda" (csrc/cuda_adam_coded.cu)
+and backend="triton" (kernels/adam_coded.py) against backend="reference" (codecs.adam_step_coded, run by torch on
+the same GPU), bit for bit: every state tensor (step, codes, block scales, bf16 moments, remainders, fp32 masters)
+and every parameter, over several steps.
+
+Covered: each (exp_avg, exp_avg_sq) format pair of fp32 / bf16 (stochastic rounding) / uint8 / float8_e4m3fn with
+each master layout (fp32 parameters, bf16 or fp16 parameters with an fp32 master, bf16 parameters with int16
+remainders); sizes below one block, partial last blocks and several CUDA blocks; tensors below min_8bit_size (fp32
+moments in the same group: two layouts in one step); gradients at unaligned addresses (the kernels' element-wise
+path); fp32 / bf16 / fp16 gradients (with the parameters' dtype); GradScaler's grad_scale and a found_inf that skips the step; a NaN gradient
+(NaN block scales and codes).
+"""
+import pytest
+import torch
+
+import _gpu
+import zero_kernels as zk
+
+pytestmark = _gpu.MARKS
+
+BF, F16, U8, F8, F32 = torch.bfloat16, torch.float16, torch.uint8, torch.float8_e4m3fn, torch.float32
+MOMENTS = {"f32": F32, "bf16": BF, "u8": U8, "f8": F8}
+# (parameter dtype, store_param_remainders): fp32 parameters are their own master.
+MASTERS = {"fp32": (F32, False), "bf16+master": (BF, False), "fp16+master": (F16, False), "bf16+rem": (BF, True)}
+# Below one block, one block, a partial last block, a CUDA block (2048) and more, a Triton chunk (4096) and more.
+SHAPES = [(1,), (7, 3), (255,), (256,), (257,), (1003,), (33, 129), (2048,), (2049,), (4097,), (64, 257)]
+HP = [dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, adamw=True),
+      dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.03, adamw=False, maximize=True)]
+BACKENDS = ("cuda", "triton")
+
+
+def _backend(name):
+    """Skip, saying why, when ``name`` cannot run coded states on this GPU (extension not built, triton
+    missing); a backend that is present but refuses coded states fails the test."""
+    why = _gpu.why_no_gpu()
+    if why is None:
+        from zero_kernels import backends
+        why = backends.why_unavailable(name, torch.device("cuda"))
+    if why:
+        pytest.skip(f"{name}: {why}")
+    return name
+
+
+def _at_odd_offset(x):
+    """``x`` copied into a flat buffer at element offset 1: contiguous, but not 16-byte aligned (the kernels'
+    element-wise path), as a gradient bucket or a flat parameter buffer can hold it."""
+    buf = torch.zeros(x.numel() + 3, dtype=x.dtype, device=x.device)
+    buf[1:1 + x.numel()] = x.reshape(-1)
+    return buf[1:1 + x.numel()].view(x.shape)
+
+
+def _params(seed, dtype, unaligned=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = [torch.randn(s, generator=g, device="cuda").to(dtype) for s in SHAPES]
+    return [torch.nn.Parameter(_at_odd_offset(p) if unaligned else p) for p in out]
+
+
+def _grads(seed, step, params, unaligned=False):
+    g = torch.Generator(device="cuda").manual_seed(seed * 7919 + step)
+    out = [(torch.randn(p.shape, generator=g, device="cuda") * 10.0 ** (step % 3 - 2)).to(p.dtype) for p in params]
+    return [_at_odd_offset(x) if unaligned else x for x in out]
+
+
+def _run(backend, dtype, hp, fmt, steps=3, seed=1, unaligned=False, scales=None, nan_at=None):
+    """Parameters and optimizer after ``steps`` steps; ``scales[t]`` = (loss scale, found_inf) tensors or None;
+    ``nan_at`` = (step, element): that gradient element of tensor 5 is NaN at that step."""
+    params = _params(seed, dtype, unaligned)
+    cls = zk.FusedAdamW if hp["adamw"] else zk.FusedAdam
+    opt = cls(params, backend=backend, **{k: v for k, v in hp.items() if k != "adamw"}, **fmt)
+    for t in range(steps):
+        for p, g in zip(params, _grads(seed, t, params, unaligned)):
+            p.grad = g
+        if nan_at is not None and nan_at[0] == t:
+            params[5].grad.view(-1)[nan_at[1]] = float("nan")
+        gs, fi = (scales[t] if scales else None) or (None, None)
+        opt.step(grad_scale=gs, found_inf=fi)
+    torch.cuda.synchronize()
+    return params, opt
+
+
+def _bits(t):
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def _assert_same(run, ref, what):
+    (pa, oa), (pb, ob) = run, ref
+    for i, (p, q) in enumerate(zip(pa, pb)):
+        sa, sb = oa.state[p], ob.state[q]
+        assert set(sa) == set(sb), (what, i, sorted(sa), sorted(sb))
+        for k in sorted(sb):
+            assert sa[k].dtype == sb[k].dtype and sa[k].shape == sb[k].shape, (what, i, k)
+            assert torch.equal(_bits(sa[k]), _bits(sb[k])), f"{what}: param {i} {tuple(p.shape)} state {k!r} differs"
+        assert torch.equal(_bits(p), _bits(q)), f"{what}: param {i} {tuple(p.shape)} differs"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("master", list(MASTERS))
+@pytest.mark.parametrize("v", list(MOMENTS))
+@pytest.mark.parametrize("m", list(MOMENTS))
+def test_every_format_equals_reference(backend, master, m, v):
+    """Each moment pair x master layout, AdamW and Adam(L2, maximize), default min_8bit_size (tensors under one
+    block keep fp32 moments: two layouts in a group)."""
+    backend = _backend(backend)
+    dtype, rem = MASTERS[master]
+    fmt = dict(exp_avg_dtype=MOMENTS[m], exp_avg_sq_dtype=MOMENTS[v], store_param_remainders=rem)
+    for hpi, hp in enumerate(HP):
+        what = f"{backend} m={m} v={v} {master} hp{hpi}"
+        _assert_same(_run(backend, dtype, hp, fmt), _run("reference", dtype, hp, fmt), what)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("master", list(MASTERS))
+@pytest.mark.parametrize("unaligned", [False, True], ids=["aligned", "unaligned"])
+def test_every_block_coded_and_unaligned_tensors(backend, master, unaligned):
+    """min_8bit_size=1 (even 1-element tensors are coded; blocks counted from element 0), and parameters and
+    gradients at unaligned addresses (the element-wise path); fp32 / bf16 / fp16 gradients with the parameters."""
+    backend = _backend(backend)
+    dtype, rem = MASTERS[master]
+    for fmt in (dict(exp_avg_dtype=U8, exp_avg_sq_dtype=F8), dict(exp_avg_dtype=BF, exp_avg_sq_dtype=U8),
+                dict(exp_avg_dtype=F8, exp_avg_sq_dtype=BF)):
+        fmt = dict(fmt, store_param_remainders=rem, min_8bit_size=1)
+        _assert_same(_run(backend, dtype, HP[0], fmt, unaligned=unaligned),
+                     _run("reference", dtype, HP[0], fmt, unaligned=unaligned), f"{backend} {master} {fmt} {unaligned}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", [dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8),
+                                 dict(exp_avg_dtype=F8, exp_avg_sq_dtype=BF, store_param_remainders=True)],
+                         ids=["u8", "f8-bf16-rem"])
+def test_grad_scale_and_found_inf(backend, fmt):
+    """GradScaler's contract: gradients divided by the loss scale (a device tensor); a nonzero found_inf (a device
+    tensor, not read on the host by the kernels) skips the whole step: nothing written, the step not counted."""
+    backend = _backend(backend)
+    dtype = BF if fmt.get("store_param_remainders") else F32
+    dev = dict(device="cuda", dtype=torch.float32)
+    scales = [(torch.tensor(1024.0, **dev), torch.zeros(1, **dev)), (torch.tensor(3.0, **dev), torch.zeros(1, **dev)),
+              (torch.tensor(2048.0, **dev), torch.ones(1, **dev)), None]
+    ours = _run(backend, dtype, HP[1], fmt, steps=4, scales=scales)
+    _assert_same(ours, _run("reference", dtype, HP[1], fmt, steps=4, scales=scales), f"{backend} {fmt}")
+    assert all(float(ours[1].state[p]["step"]) == 3 for p in ours[0])
+    # The skipped step itself wrote nothing.
+    params, opt = _run(backend, dtype, HP[1], fmt, steps=2, scales=scales)
+    before = [(_bits(p).clone(), {k: _bits(t).clone() for k, t in opt.state[p].items()}) for p in params]
+    for p, g in zip(params, _grads(1, 2, params)):
+        p.grad = g
+    opt.step(grad_scale=scales[2][0], found_inf=scales[2][1])
+    for i, (p, (pb, sb)) in enumerate(zip(params, before)):
+        assert torch.equal(_bits(p), pb), f"param {i} changed on a skipped step"
+        assert all(torch.equal(_bits(opt.state[p][k]), b) for k, b in sb.items()), f"state {i} changed"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", [dict(exp_avg_dtype=U8, exp_avg_sq_dtype=F8),
+                                 dict(exp_avg_dtype=BF, exp_avg_sq_dtype=BF, store_param_remainders=True)],
+                         ids=["u8-f8", "bf16-rem"])
+def test_nan_gradient(backend, fmt):
+    """A NaN gradient element: its block's scales, codes (255 / 0x7F), bf16 moments (0x7FC0) and remainders
+    (0x7FC0, 0) exactly as the reference writes them, the other blocks unaffected."""
+    backend = _backend(backend)
+    dtype = BF if fmt.get("store_param_remainders") else F32
+    ours = _run(backend, dtype, HP[0], fmt, nan_at=(1, 300))
+    _assert_same(ours, _run("reference", dtype, HP[0], fmt, nan_at=(1, 300)), f"{backend} {fmt} NaN")
+    p = ours[0][5]
+    assert torch.isnan(p.detach().float().reshape(-1)[300]) and not torch.isnan(p.detach().float().reshape(-1)[0])
