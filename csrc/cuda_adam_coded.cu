@@ -63,7 +63,7 @@ void dispatch_int(int k, F&& f) {
   }
 }
 
-const void* ptr_or_null(const std::vector<at::Tensor>& v, size_t i) {
+void* ptr_or_null(const std::vector<at::Tensor>& v, size_t i) {   // optional lists are empty when absent
   return v.empty() ? nullptr : v[i].data_ptr();
 }
 
@@ -74,7 +74,10 @@ const float* float_ptr_or_null(const at::Tensor& t) {
 // One launch per kCodedMaxTensors tensors (or before the grid would overflow int32: 2^31 blocks of
 // 2048 elements, never in practice).
 template <int kMasterKind, int kM, int kV>
-void launch_all(ZK_CODED_ADAM_ARGS, const CodedScalars& s, cudaStream_t stream) {
+void launch_all(const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& grads,
+                const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                const std::vector<at::Tensor>& exp_avg_scales, const std::vector<at::Tensor>& exp_avg_sq_scales,
+                const std::vector<at::Tensor>& params16, const CodedScalars& s, cudaStream_t stream) {
   CodedTensorTable table{};
   int64_t blocks = 0;
   auto flush = [&]() {
@@ -100,9 +103,9 @@ void launch_all(ZK_CODED_ADAM_ARGS, const CodedScalars& s, cudaStream_t stream) 
     table.ptr[kGrad][k] = grads[i].data_ptr();
     table.ptr[kExpAvg][k] = exp_avgs[i].data_ptr();
     table.ptr[kExpAvgSq][k] = exp_avg_sqs[i].data_ptr();
-    table.ptr[kExpAvgScale][k] = const_cast<void*>(ptr_or_null(exp_avg_scales, i));
-    table.ptr[kExpAvgSqScale][k] = const_cast<void*>(ptr_or_null(exp_avg_sq_scales, i));
-    table.ptr[kParam16][k] = const_cast<void*>(ptr_or_null(params16, i));
+    table.ptr[kExpAvgScale][k] = ptr_or_null(exp_avg_scales, i);
+    table.ptr[kExpAvgSqScale][k] = ptr_or_null(exp_avg_sq_scales, i);
+    table.ptr[kParam16][k] = ptr_or_null(params16, i);
   }
   flush();
 }
@@ -164,9 +167,7 @@ void fused_adam_coded_cuda_launch(ZK_CODED_ADAM_ARGS) {
     dispatch_int<4>(m_kind, [&](auto mm) {
       dispatch_int<4>(v_kind, [&](auto vv) {
         launch_all<decltype(mk)::value, decltype(mm)::value, decltype(vv)::value>(
-            masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, params16, coeffs, keys,
-            m_table, m_mid, v_table, v_mid, beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale,
-            found_inf, s, stream);
+            masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, params16, s, stream);
       });
     });
   });

@@ -262,10 +262,12 @@ __device__ __forceinline__ void store_moment(const float (&x)[kLaneElems], void*
   }
 }
 
-// kMasterKind: MasterKind. kM / kV: MomentKind of exp_avg / exp_avg_sq.
+// kMasterKind: MasterKind. kM / kV: MomentKind of exp_avg / exp_avg_sq. Launched with kThreads threads
+// and one block per kCodedChunk elements of each tensor (csrc/cuda_adam_coded.cu).
 template <int kMasterKind, int kM, int kV>
 __global__ void __launch_bounds__(kThreads, kCodedMinBlocksPerSM)
-fused_adam_coded_kernel(const __grid_constant__ CodedTensorTable table, const CodedScalars s) {
+fused_adam_coded_kernel(const __grid_constant__ CodedTensorTable table,  // the launch's tensors, by value
+                        const CodedScalars s) {                         // launch-wide scalars and pointers
   using zk::cuda_adam::Storage;
   // found_inf on the device and on its bits (no host sync; NaN and subnormals skip too).
   if (s.adam.found_inf != nullptr && (__float_as_uint(*s.adam.found_inf) & 0x7FFFFFFFu) != 0u) return;

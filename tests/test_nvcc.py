@@ -6,7 +6,9 @@ nvcc is absent. Two kinds of compile, started together and checked by separate t
 * each ``csrc/*.cu`` as the build compiles it (``NVCC_FLAGS`` of zero_kernels/_build.py, torch's
   ``COMMON_NVCC_FLAGS``, ``-DZK_WITH_CUDA``), for sm_80 and sm_90, with ``-Xptxas -v``;
 * each ``csrc/*.cuh`` alone, without torch headers, in a generated translation unit that expands
-  the header's ``ZK_..._INSTANTIATE_ALL()`` macro (every template combination).
+  the header's ``ZK_..._INSTANTIATE_ALL()`` macro (every template combination); its PTX is also
+  checked: IEEE fp32 operations only, the header's NaN-propagating max (``NAN_MAX``), 128-bit
+  global loads and stores, no shared memory.
 
 Why the second one, and the stub header. A CPU-only torch wheel ships the ATen/c10 CUDA headers
 but not what some of them include: ``ATen/cuda/CUDAContext.h`` needs cuSPARSE/cuBLAS headers (not
