@@ -121,9 +121,9 @@ def _bits_equal(a, b):
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def _step_job(rank, world):
-    for stage in (1, 2, 3):
-        for pdt, m, v, rem in FORMATS:
+def _step_job(rank, world, stages, formats):
+    for stage in stages:
+        for pdt, m, v, rem in formats:
             model = _model()
             z = _zopt(model, stage, pdt, m, v, rem)
             controls = applicable = 0
@@ -159,7 +159,9 @@ def _step_job(rank, world):
 
 @pytest.mark.parametrize("world", [1, 3, 4])
 def test_slice_step_is_the_codec(world):
-    run_world(_step_job, world, timeout=300)
+    """Every format and stage at world 3 (slices not aligned to parameters); a subset at worlds 1 and 4."""
+    stages, formats = ((1, 2, 3), FORMATS) if world == 3 else ((2, 3), FORMATS[::2])
+    run_world(_step_job, world, stages, formats, timeout=300)
 
 
 # ---------------------------------------------------------------- remainders: the fp32-master trajectory, bit for bit
