@@ -5,6 +5,11 @@
 //   fused_adam_cpu(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, params16, coeffs,
 //                  beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf)
 //   fused_adam_cuda(... same ...)            only when built with CUDA (ZK_WITH_CUDA)
+//   fused_adam_coded_cpu(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
+//                        params16, coeffs, keys, m_table, m_mid, v_table, v_mid, beta1, beta2, eps,
+//                        weight_decay, adamw, maximize, grad_scale, found_inf)
+//                                            coded states (csrc/fused_adam.h ZK_CODED_ADAM_ARGS)
+//   fused_adam_coded_cuda(... same ...)      only when built with CUDA
 //   stream_ceiling(a, b, c, d)               a += d; b += d; c += d  (bandwidth ceiling)
 //   flatten_cpu(srcs, dst, offsets, scale=1.0) / unflatten_cpu(src, dsts, offsets)
 //                                            bucket copies, see csrc/cpu_flatten.cpp
@@ -110,6 +115,114 @@ void check_fused_adam_args(ZK_FUSED_ADAM_ARGS, c10::DeviceType dt, const char* f
   check_scalar(found_inf, "found_inf", dt, dev0, fn);
 }
 
+
+namespace {
+
+bool is_moment_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kByte || t == at::kFloat8_e4m3fn;
+}
+
+// A moment list (exp_avgs / exp_avg_sqs) of one stored dtype and its block scales.
+void check_moment(const std::vector<at::Tensor>& ts, const char* what,
+                  const std::vector<at::Tensor>& scales, const char* scales_what, int64_t T,
+                  const std::vector<at::Tensor>& masters, c10::DeviceType dt, const c10::Device& dev0,
+                  const char* fn) {
+  check_list(ts, what, T, masters, dt, dev0, fn);
+  const at::ScalarType kt = ts[0].scalar_type();
+  TORCH_CHECK(is_moment_dtype(kt), fn, ": ", what,
+              " must be float32, bfloat16, uint8 (code book) or float8_e4m3fn, got ", kt);
+  check_dtype(ts, what, kt, fn);  // one stored format per call (one call per layout group)
+  const bool blockwise = kt == at::kByte || kt == at::kFloat8_e4m3fn;
+  if (!blockwise) {
+    TORCH_CHECK(scales.empty(), fn, ": ", scales_what, " must be empty: ", what, " are ", kt,
+                " (only uint8 / float8_e4m3fn moments have block scales)");
+    return;
+  }
+  TORCH_CHECK(static_cast<int64_t>(scales.size()) == T, fn, ": ", what, " are ", kt, " codes, so ",
+              scales_what, " needs one fp32 scale tensor per parameter (", T, "), got ", scales.size());
+  for (int64_t i = 0; i < T; ++i) {
+    const at::Tensor& s = scales[i];
+    const int64_t want = (masters[i].numel() + 255) / 256;
+    TORCH_CHECK(s.defined() && s.device() == dev0, fn, ": ", scales_what, "[", i,
+                "] must be a tensor on ", dev0);
+    TORCH_CHECK(s.scalar_type() == at::kFloat, fn, ": ", scales_what, "[", i, "] has dtype ",
+                s.scalar_type(), "; expected float32");
+    TORCH_CHECK(s.is_contiguous(), fn, ": ", scales_what, "[", i, "] is not contiguous");
+    TORCH_CHECK(s.numel() == want, fn, ": ", scales_what, "[", i, "] has ", s.numel(),
+                " scales but masters[", i, "] has ", masters[i].numel(),
+                " elements: one scale per 256-element block, ceil(numel / 256) = ", want);
+  }
+}
+
+void check_book(const at::Tensor& t, const char* what, int64_t n, c10::DeviceType dt,
+                const c10::Device& dev0, const char* fn) {
+  TORCH_CHECK(t.defined(), fn, ": ", what, " is undefined");
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == n && t.is_contiguous(), fn,
+              ": ", what, " must be a contiguous float32 tensor of ", n, " elements, got ",
+              t.scalar_type(), " ", t.sizes());
+  TORCH_CHECK(t.device().type() == dt && (dt == c10::DeviceType::CPU || t.device() == dev0), fn, ": ",
+              what, " is on ", t.device(), " but the tensors are on ", dev0);
+}
+
+}  // namespace
+
+void check_coded_adam_args(ZK_CODED_ADAM_ARGS, c10::DeviceType dt, const char* fn) {
+  const int64_t T = static_cast<int64_t>(masters.size());
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, fn, ": beta1 must be in [0, 1), got ", beta1);
+  TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, fn, ": beta2 must be in [0, 1), got ", beta2);
+  TORCH_CHECK(eps >= 0.0, fn, ": eps must be >= 0, got ", eps);
+  TORCH_CHECK(coeffs.defined() && coeffs.scalar_type() == at::kFloat && coeffs.dim() == 2 &&
+                  coeffs.size(0) == T && coeffs.size(1) == 3 && coeffs.is_contiguous(),
+              fn, ": coeffs must be a contiguous float32 tensor of shape [T, 3] = [", T,
+              ", 3] (step_size, bc2_sqrt, decay)");
+  TORCH_CHECK(keys.defined() && keys.scalar_type() == at::kLong && keys.dim() == 2 &&
+                  keys.size(0) == T && keys.size(1) == 3 && keys.is_contiguous(),
+              fn, ": keys must be a contiguous int64 tensor of shape [T, 3] = [", T,
+              ", 3] (exp_avg SR key, exp_avg_sq SR key, flat index of element 0)");
+  if (T == 0) {
+    TORCH_CHECK(grads.empty() && exp_avgs.empty() && exp_avg_sqs.empty() && exp_avg_scales.empty() &&
+                    exp_avg_sq_scales.empty() && params16.empty(),
+                fn, ": masters is empty but the other lists are not");
+    return;
+  }
+  TORCH_CHECK(masters[0].defined(), fn, ": masters[0] is undefined");
+  const c10::Device dev0 = masters[0].device();
+  for (const auto* t : {&coeffs, &keys})
+    TORCH_CHECK(t->device().type() == dt && (dt == c10::DeviceType::CPU || t->device() == dev0), fn,
+                ": ", (t == &coeffs ? "coeffs" : "keys"), " is on ", t->device(),
+                " but the tensors are on ", dev0);
+  check_list(masters, "masters", T, masters, dt, dev0, fn);
+  check_list(grads, "grads", T, masters, dt, dev0, fn);
+  const at::ScalarType mt = masters[0].scalar_type();
+  TORCH_CHECK(mt == at::kFloat || mt == at::kShort, fn,
+              ": masters must be float32 (master or fp32 parameter) or int16 (remainders), got ", mt);
+  check_dtype(masters, "masters", mt, fn);
+  const at::ScalarType gt = grads[0].scalar_type();
+  TORCH_CHECK(gt == at::kFloat || gt == at::kBFloat16 || gt == at::kHalf, fn,
+              ": grads must be float32, bfloat16 or float16, got ", gt);
+  check_dtype(grads, "grads", gt, fn);
+  if (mt == at::kShort) {
+    TORCH_CHECK(!params16.empty(), fn, ": masters are int16 remainders, so params16 must hold the T "
+                "bf16 parameters whose bits are the masters' high halves; got an empty list");
+  }
+  if (!params16.empty()) {
+    check_list(params16, "params16", T, masters, dt, dev0, fn);
+    const at::ScalarType pt = params16[0].scalar_type();
+    TORCH_CHECK(pt == at::kBFloat16 || (pt == at::kHalf && mt == at::kFloat), fn, ": params16 must be ",
+                mt == at::kShort ? "bfloat16 (remainders complete bf16 parameters)" : "bfloat16 or float16",
+                ", got ", pt);
+    check_dtype(params16, "params16", pt, fn);
+  }
+  check_moment(exp_avgs, "exp_avgs", exp_avg_scales, "exp_avg_scales", T, masters, dt, dev0, fn);
+  check_moment(exp_avg_sqs, "exp_avg_sqs", exp_avg_sq_scales, "exp_avg_sq_scales", T, masters, dt, dev0, fn);
+  check_book(m_table, "m_table", 256, dt, dev0, fn);
+  check_book(m_mid, "m_mid", 255, dt, dev0, fn);
+  check_book(v_table, "v_table", 256, dt, dev0, fn);
+  check_book(v_mid, "v_mid", 255, dt, dev0, fn);
+  check_scalar(grad_scale, "grad_scale", dt, dev0, fn);
+  check_scalar(found_inf, "found_inf", dt, dev0, fn);
+}
+
 namespace {
 
 void fused_adam_cpu(ZK_FUSED_ADAM_ARGS) {
@@ -127,6 +240,23 @@ void fused_adam_cuda(ZK_FUSED_ADAM_ARGS) {
                         c10::DeviceType::CUDA, "fused_adam_cuda");
   fused_adam_cuda_launch(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, params16, coeffs,
                          beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf);
+}
+#endif
+
+#define ZK_CODED_CALL_ARGS                                                                        \
+  masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, params16, coeffs, keys, \
+      m_table, m_mid, v_table, v_mid, beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, \
+      found_inf
+
+void fused_adam_coded_cpu(ZK_CODED_ADAM_ARGS) {
+  check_coded_adam_args(ZK_CODED_CALL_ARGS, c10::DeviceType::CPU, "fused_adam_coded_cpu");
+  fused_adam_coded_cpu_launch(ZK_CODED_CALL_ARGS);
+}
+
+#ifdef ZK_WITH_CUDA
+void fused_adam_coded_cuda(ZK_CODED_ADAM_ARGS) {
+  check_coded_adam_args(ZK_CODED_CALL_ARGS, c10::DeviceType::CUDA, "fused_adam_coded_cuda");
+  fused_adam_coded_cuda_launch(ZK_CODED_CALL_ARGS);
 }
 #endif
 
@@ -211,6 +341,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(),
         py::call_guard<py::gil_scoped_release>());
 #endif
+  const char* coded_doc =
+      "Fused Adam/AdamW step on coded states, in place, over T tensors of one layout "
+      "(csrc/fused_adam.h, ZK_CODED_ADAM_ARGS; reference: zero_kernels.codecs.adam_step_coded). "
+      "Empty lists mean None.";
+#define ZK_CODED_PYARGS                                                                          \
+  py::arg("masters"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),              \
+      py::arg("exp_avg_scales"), py::arg("exp_avg_sq_scales"), py::arg("params16"),                \
+      py::arg("coeffs"), py::arg("keys"), py::arg("m_table"), py::arg("m_mid"), py::arg("v_table"), \
+      py::arg("v_mid"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),                        \
+      py::arg("weight_decay"), py::arg("adamw"), py::arg("maximize"),                             \
+      py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(),                       \
+      py::call_guard<py::gil_scoped_release>()
+  m.def("fused_adam_coded_cpu", &fused_adam_coded_cpu, coded_doc, ZK_CODED_PYARGS);
+#ifdef ZK_WITH_CUDA
+  m.def("fused_adam_coded_cuda", &fused_adam_coded_cuda, coded_doc, ZK_CODED_PYARGS);
+#endif
+#undef ZK_CODED_PYARGS
   m.def("stream_ceiling", &stream_ceiling,
         "In place a += d; b += d; c += d (fp32): the streaming-bandwidth ceiling with Adam's "
         "access mix (read 4 arrays, write 3 back), same SIMD dispatch and thread pool",

@@ -30,7 +30,8 @@ from torch import Tensor
 
 from . import _build
 
-__all__ = ["cpu_module", "load_error", "warn_fallback_once", "fused_adam_cpu", "fused_adam_cuda"]
+__all__ = ["cpu_module", "load_error", "warn_fallback_once", "fused_adam_cpu", "fused_adam_cuda",
+           "fused_adam_coded_cpu", "fused_adam_coded_cuda"]
 
 _lock = threading.Lock()
 _tried = False
@@ -127,13 +128,17 @@ def _module_or_raise(fn: str) -> ModuleType:
     return mod
 
 
-def _call(fn: str, masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, params16, coeffs,
-          beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf) -> None:
+def _entry(fn: str):
     mod = _module_or_raise(fn)
     if not hasattr(mod, fn):
         raise RuntimeError(f"zero_kernels.{fn}: the extension was built without it "
                            "(CUDA kernels need torch with CUDA and nvcc at build time)")
-    getattr(mod, fn)(
+    return getattr(mod, fn)
+
+
+def _call(fn: str, masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, params16, coeffs,
+          beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf) -> None:
+    _entry(fn)(
         list(masters), list(grads), list(exp_avgs), list(exp_avg_sqs),
         [] if max_exp_avg_sqs is None else list(max_exp_avg_sqs),
         [] if params16 is None else list(params16), coeffs,
@@ -162,3 +167,30 @@ fused_adam_cpu = _backend(
     (fp32 states, contiguous CPU tensors; the C++ front end checks and refuses anything else).""")
 fused_adam_cuda = _backend(
     "fused_adam_cuda", """The ``"cuda"`` backend: same contract as :func:`fused_adam_cpu`, CUDA tensors.""")
+
+
+def _coded_backend(name: str, doc: str):
+    """The Python entry point of the extension's coded-state ``name`` (csrc/fused_adam.h ZK_CODED_ADAM_ARGS)."""
+    def fn(
+        masters: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+        exp_avg_scales: list[Tensor], exp_avg_sq_scales: list[Tensor], params16: list[Tensor], coeffs: Tensor,
+        keys: Tensor, m_table: Tensor, m_mid: Tensor, v_table: Tensor, v_mid: Tensor, *, beta1: float,
+        beta2: float, eps: float, weight_decay: float, adamw: bool, maximize: bool,
+        grad_scale: Tensor | None = None, found_inf: Tensor | None = None,
+    ) -> None:
+        _entry(name)(list(masters), list(grads), list(exp_avgs), list(exp_avg_sqs), list(exp_avg_scales),
+                     list(exp_avg_sq_scales), list(params16), coeffs, keys, m_table, m_mid, v_table, v_mid,
+                     float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw), bool(maximize),
+                     grad_scale, found_inf)
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = doc
+    return fn
+
+
+fused_adam_coded_cpu = _coded_backend(
+    "fused_adam_coded_cpu",
+    """Coded-state Adam on CPU tensors of ONE layout (csrc/fused_adam.h, ZK_CODED_ADAM_ARGS): bit for bit
+    :func:`zero_kernels.codecs.adam_step_coded`; ``zero_kernels._coded_host.run_extension`` builds the
+    arguments. Empty lists stand for absent scales / 16-bit parameters.""")
+fused_adam_coded_cuda = _coded_backend(
+    "fused_adam_coded_cuda", """The CUDA twin of :func:`fused_adam_coded_cpu` (CUDA tensors).""")

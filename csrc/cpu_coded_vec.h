@@ -1,0 +1,260 @@
+// Integer/float vector primitives for the coded-state CPU kernel (csrc/cpu_adam_coded.cpp): one
+// struct `Q` per SIMD path (zk_scalar, zk_avx2, zk_avx512, inside the namespaces of cpu_vec.h), so
+// the codecs of zero_kernels/codecs.py ([Note: state codecs]) are written once, generically, in
+// csrc/cpu_adam_coded_simd.h. Every primitive is exact (integer ops, IEEE fp32 ops, bit casts), so
+// the three paths give the same bits. Include after cpu_vec.h.
+//
+// Per path:  F (W floats), I (W uint32 lanes), M (a lane mask);
+//   loads/stores of fp32, u8, u16 (zero-extended), i16 (sign-extended), stores of the low 8/16 bits;
+//   arithmetic; `lookup256` = table[code] (256 fp32 entries); `q8_code` = number of the 255
+//   midpoints strictly below y by an 8-step binary search over per-level tables (ZkLevels), the
+//   same comparisons in every path (a NaN y compares false everywhere: code 0, fixed by the caller).
+#pragma once
+
+#include "cpu_vec.h"
+
+namespace {
+// Binary-search tables of one code book: level b (step 2^b, b = 7..0) reads
+// mid[k * 2^(b+1) + 2^b - 1] for k = code >> (b+1) < 2^(7-b); lv[b] holds those entries in k order
+// (zero-padded to 16). tab is the code book itself (decode), mid its 255 midpoints (+ one pad).
+struct alignas(64) ZkLevels {
+  float lv[8][128];
+  float tab[256];
+  float mid[256];
+};
+}  // namespace
+
+// ============================================================================ portable scalar
+namespace zk_scalar {
+struct Q {
+  using F = float;
+  using I = uint32_t;
+  using M = bool;
+  static constexpr int W = 1;
+  static inline F bf(I x) { F f; std::memcpy(&f, &x, 4); return f; }
+  static inline I bi(F x) { I u; std::memcpy(&u, &x, 4); return u; }
+  static inline F ldf(const float* p) { return *p; }
+  static inline void stf(float* p, F x) { *p = x; }
+  static inline I ld_u8(const uint8_t* p) { return *p; }
+  static inline I ld_u16(const uint16_t* p) { return *p; }
+  static inline I ld_i16(const int16_t* p) { return static_cast<I>(static_cast<int32_t>(*p)); }
+  static inline void st_u8(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
+  static inline void st_u16(uint16_t* p, I x) { *p = static_cast<uint16_t>(x); }
+  static inline F set1f(float x) { return x; }
+  static inline I set1i(uint32_t x) { return x; }
+  static inline I iota() { return 0; }
+  static inline F add(F a, F b) { return a + b; }
+  static inline F sub(F a, F b) { return a - b; }
+  static inline F mul(F a, F b) { return a * b; }
+  static inline F div(F a, F b) { return a / b; }
+  static inline F sqrt(F a) { return std::sqrt(a); }
+  static inline F i2f(I a) { return static_cast<float>(static_cast<int32_t>(a)); }
+  static inline I addi(I a, I b) { return a + b; }
+  static inline I subi(I a, I b) { return a - b; }
+  static inline I muli(I a, I b) { return a * b; }
+  static inline I andi(I a, I b) { return a & b; }
+  static inline I ori(I a, I b) { return a | b; }
+  static inline I xori(I a, I b) { return a ^ b; }
+  template <int S> static inline I shr(I a) { return a >> S; }
+  template <int S> static inline I shl(I a) { return a << S; }
+  static inline I mini(I a, I b) { return static_cast<int32_t>(a) < static_cast<int32_t>(b) ? a : b; }
+  static inline I maxi(I a, I b) { return static_cast<int32_t>(a) > static_cast<int32_t>(b) ? a : b; }
+  static inline M gti(I a, I b) { return static_cast<int32_t>(a) > static_cast<int32_t>(b); }  // signed
+  static inline M eqi(I a, I b) { return a == b; }
+  static inline M isnan(F a) { return a != a; }
+  static inline I seli(M m, I a, I b) { return m ? a : b; }
+  static inline F self(M m, F a, F b) { return m ? a : b; }
+  static inline uint32_t hmaxi(I a) { return a; }
+  static inline F lookup256(const ZkLevels& t, I code) { return t.tab[code]; }
+  static inline I q8_code(const ZkLevels& t, F y) {
+    I code = 0;
+    for (int b = 7; b >= 0; --b) code += (t.lv[b][code >> (b + 1)] < y) ? (1u << b) : 0u;
+    return code;
+  }
+};
+}  // namespace zk_scalar
+
+#if ZK_X86
+// ============================================================================ AVX2
+namespace zk_avx2 {
+#define ZK_TGT ZK_TGT_AVX2
+struct Q {
+  using F = __m256;
+  using I = __m256i;
+  using M = __m256i;  // all-ones lanes
+  static constexpr int W = 8;
+  ZK_TGT static inline F bf(I x) { return _mm256_castsi256_ps(x); }
+  ZK_TGT static inline I bi(F x) { return _mm256_castps_si256(x); }
+  ZK_TGT static inline F ldf(const float* p) { return _mm256_loadu_ps(p); }
+  ZK_TGT static inline void stf(float* p, F x) { _mm256_storeu_ps(p, x); }
+  ZK_TGT static inline I ld_u8(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  ZK_TGT static inline I ld_u16(const uint16_t* p) {
+    return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  ZK_TGT static inline I ld_i16(const int16_t* p) {
+    return _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  // Lanes hold 0..255 / 0..65535 (u8, u16) or -32768..32767 (i16 via st_u16 of the masked bits).
+  ZK_TGT static inline __m128i pack16(I x) {
+    const I lo = _mm256_and_si256(x, _mm256_set1_epi32(0xFFFF));
+    return _mm_packus_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+  }
+  ZK_TGT static inline void st_u16(uint16_t* p, I x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack16(x));
+  }
+  ZK_TGT static inline void st_u8(uint8_t* p, I x) {
+    const __m128i h = pack16(_mm256_and_si256(x, _mm256_set1_epi32(0xFF)));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(h, h));
+  }
+  ZK_TGT static inline F set1f(float x) { return _mm256_set1_ps(x); }
+  ZK_TGT static inline I set1i(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+  ZK_TGT static inline I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  ZK_TGT static inline F add(F a, F b) { return _mm256_add_ps(a, b); }
+  ZK_TGT static inline F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  ZK_TGT static inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  ZK_TGT static inline F div(F a, F b) { return _mm256_div_ps(a, b); }
+  ZK_TGT static inline F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  ZK_TGT static inline F i2f(I a) { return _mm256_cvtepi32_ps(a); }
+  ZK_TGT static inline I addi(I a, I b) { return _mm256_add_epi32(a, b); }
+  ZK_TGT static inline I subi(I a, I b) { return _mm256_sub_epi32(a, b); }
+  ZK_TGT static inline I muli(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  ZK_TGT static inline I andi(I a, I b) { return _mm256_and_si256(a, b); }
+  ZK_TGT static inline I ori(I a, I b) { return _mm256_or_si256(a, b); }
+  ZK_TGT static inline I xori(I a, I b) { return _mm256_xor_si256(a, b); }
+  template <int S> ZK_TGT static inline I shr(I a) { return _mm256_srli_epi32(a, S); }
+  template <int S> ZK_TGT static inline I shl(I a) { return _mm256_slli_epi32(a, S); }
+  ZK_TGT static inline I mini(I a, I b) { return _mm256_min_epi32(a, b); }
+  ZK_TGT static inline I maxi(I a, I b) { return _mm256_max_epi32(a, b); }
+  ZK_TGT static inline M gti(I a, I b) { return _mm256_cmpgt_epi32(a, b); }
+  ZK_TGT static inline M eqi(I a, I b) { return _mm256_cmpeq_epi32(a, b); }
+  ZK_TGT static inline M isnan(F a) { return bi(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
+  ZK_TGT static inline I seli(M m, I a, I b) { return _mm256_blendv_epi8(b, a, m); }
+  ZK_TGT static inline F self(M m, F a, F b) { return _mm256_blendv_ps(b, a, bf(m)); }
+  ZK_TGT static inline uint32_t hmaxi(I a) {
+    __m128i x = _mm_max_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    x = _mm_max_epi32(x, _mm_shuffle_epi32(x, 0x4E));
+    x = _mm_max_epi32(x, _mm_shuffle_epi32(x, 0xB1));
+    return static_cast<uint32_t>(_mm_cvtsi128_si32(x));
+  }
+  ZK_TGT static inline F lookup256(const ZkLevels& t, I code) {
+    return _mm256_i32gather_ps(t.tab, code, 4);
+  }
+  // One level: code += 2^B where the level's midpoint for this lane is < y.
+  template <int B>
+  ZK_TGT static inline I q8_level(const ZkLevels& t, I code, F y) {
+    const I k = shr<B + 1>(code);
+    F mid;
+    if (B >= 4) {  // <= 8 entries: one in-register permute
+      mid = _mm256_permutevar8x32_ps(_mm256_load_ps(t.lv[B]), k);
+    } else if (B == 3) {  // 16 entries: two permutes, picked by bit 3 of k
+      const F a = _mm256_permutevar8x32_ps(_mm256_load_ps(t.lv[B]), k);
+      const F b = _mm256_permutevar8x32_ps(_mm256_load_ps(t.lv[B] + 8), k);
+      mid = _mm256_blendv_ps(a, b, bf(shl<28>(k)));
+    } else {
+      mid = _mm256_i32gather_ps(t.lv[B], k, 4);
+    }
+    const I lt = bi(_mm256_cmp_ps(mid, y, _CMP_LT_OQ));
+    return addi(code, andi(lt, set1i(1u << B)));
+  }
+  ZK_TGT static inline I q8_code(const ZkLevels& t, F y) {
+    I c = _mm256_setzero_si256();
+    c = q8_level<7>(t, c, y); c = q8_level<6>(t, c, y); c = q8_level<5>(t, c, y);
+    c = q8_level<4>(t, c, y); c = q8_level<3>(t, c, y); c = q8_level<2>(t, c, y);
+    c = q8_level<1>(t, c, y); c = q8_level<0>(t, c, y);
+    return c;
+  }
+};
+#undef ZK_TGT
+}  // namespace zk_avx2
+
+// ============================================================================ AVX-512F
+namespace zk_avx512 {
+#define ZK_TGT ZK_TGT_AVX512
+struct Q {
+  using F = __m512;
+  using I = __m512i;
+  using M = __mmask16;
+  static constexpr int W = 16;
+  ZK_TGT static inline F bf(I x) { return _mm512_castsi512_ps(x); }
+  ZK_TGT static inline I bi(F x) { return _mm512_castps_si512(x); }
+  ZK_TGT static inline F ldf(const float* p) { return _mm512_loadu_ps(p); }
+  ZK_TGT static inline void stf(float* p, F x) { _mm512_storeu_ps(p, x); }
+  ZK_TGT static inline I ld_u8(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  ZK_TGT static inline I ld_u16(const uint16_t* p) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  ZK_TGT static inline I ld_i16(const int16_t* p) {
+    return _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  ZK_TGT static inline void st_u16(uint16_t* p, I x) {  // the low 16 bits of each lane
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
+  }
+  ZK_TGT static inline void st_u8(uint8_t* p, I x) {  // the low 8 bits of each lane
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
+  }
+  ZK_TGT static inline F set1f(float x) { return _mm512_set1_ps(x); }
+  ZK_TGT static inline I set1i(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+  ZK_TGT static inline I iota() {
+    return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
+  ZK_TGT static inline F add(F a, F b) { return _mm512_add_ps(a, b); }
+  ZK_TGT static inline F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  ZK_TGT static inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  ZK_TGT static inline F div(F a, F b) { return _mm512_div_ps(a, b); }
+  ZK_TGT static inline F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  ZK_TGT static inline F i2f(I a) { return _mm512_cvtepi32_ps(a); }
+  ZK_TGT static inline I addi(I a, I b) { return _mm512_add_epi32(a, b); }
+  ZK_TGT static inline I subi(I a, I b) { return _mm512_sub_epi32(a, b); }
+  ZK_TGT static inline I muli(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  ZK_TGT static inline I andi(I a, I b) { return _mm512_and_si512(a, b); }
+  ZK_TGT static inline I ori(I a, I b) { return _mm512_or_si512(a, b); }
+  ZK_TGT static inline I xori(I a, I b) { return _mm512_xor_si512(a, b); }
+  template <int S> ZK_TGT static inline I shr(I a) { return _mm512_srli_epi32(a, S); }
+  template <int S> ZK_TGT static inline I shl(I a) { return _mm512_slli_epi32(a, S); }
+  ZK_TGT static inline I mini(I a, I b) { return _mm512_min_epi32(a, b); }
+  ZK_TGT static inline I maxi(I a, I b) { return _mm512_max_epi32(a, b); }
+  ZK_TGT static inline M gti(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }
+  ZK_TGT static inline M eqi(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
+  ZK_TGT static inline M isnan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+  ZK_TGT static inline I seli(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
+  ZK_TGT static inline F self(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
+  ZK_TGT static inline uint32_t hmaxi(I a) { return static_cast<uint32_t>(_mm512_reduce_max_epi32(a)); }
+  // 32-entry lookup in two registers (bits 0-4 of the index), then blends on the higher bits.
+  ZK_TGT static inline F perm32(const float* t, I k) {
+    return _mm512_permutex2var_ps(_mm512_load_ps(t), k, _mm512_load_ps(t + 16));
+  }
+  ZK_TGT static inline F perm64(const float* t, I k) {
+    return _mm512_mask_blend_ps(_mm512_test_epi32_mask(k, set1i(32)), perm32(t, k), perm32(t + 32, k));
+  }
+  ZK_TGT static inline F perm128(const float* t, I k) {
+    return _mm512_mask_blend_ps(_mm512_test_epi32_mask(k, set1i(64)), perm64(t, k), perm64(t + 64, k));
+  }
+  ZK_TGT static inline F lookup256(const ZkLevels& t, I code) {
+    return _mm512_mask_blend_ps(_mm512_test_epi32_mask(code, set1i(128)), perm128(t.tab, code),
+                                perm128(t.tab + 128, code));
+  }
+  template <int B>
+  ZK_TGT static inline I q8_level(const ZkLevels& t, I code, F y) {
+    const I k = shr<B + 1>(code);
+    F mid;
+    if (B >= 3) mid = _mm512_permutexvar_ps(k, _mm512_load_ps(t.lv[B]));  // <= 16 entries
+    else if (B == 2) mid = perm32(t.lv[B], k);
+    else if (B == 1) mid = perm64(t.lv[B], k);
+    else mid = perm128(t.lv[B], k);
+    return _mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(mid, y, _CMP_LT_OQ), code, set1i(1u << B));
+  }
+  ZK_TGT static inline I q8_code(const ZkLevels& t, F y) {
+    I c = _mm512_setzero_si512();
+    c = q8_level<7>(t, c, y); c = q8_level<6>(t, c, y); c = q8_level<5>(t, c, y);
+    c = q8_level<4>(t, c, y); c = q8_level<3>(t, c, y); c = q8_level<2>(t, c, y);
+    c = q8_level<1>(t, c, y); c = q8_level<0>(t, c, y);
+    return c;
+  }
+};
+#undef ZK_TGT
+}  // namespace zk_avx512
+#endif  // ZK_X86

@@ -1,0 +1,124 @@
+"""Host side of the fused coded-state Adam step, shared by every kernel that runs it: the Triton kernel
+(``kernels/adam_coded.py``) and the C++ ``fused_adam_coded_cpu`` / ``fused_adam_coded_cuda`` (csrc/, the
+ZK_CODED_ADAM_ARGS contract of csrc/fused_adam.h). Importable without triton.
+
+:func:`prepare` does everything that is not the element loop, once, by one rule: increments the steps
+as torch counts them (by ``1 - found_inf``), computes the coefficients (``reference.compute_coeffs``) and
+the stochastic-rounding keys (``codecs.sr_key``), makes gradients and parameters contiguous (non-contiguous
+parameters are updated in a contiguous copy and written back by :meth:`CodedStep.finish`), and groups the
+tensors by layout key (grad dtype, 16-bit parameter dtype, master kind, exp_avg dtype, exp_avg_sq dtype):
+one kernel call per group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from . import codecs
+from .reference import compute_coeffs
+
+__all__ = ["CodedEntry", "CodedStep", "prepare", "books", "run_extension"]
+
+MASTER_FP32, MASTER_REMAINDER = 0, 1
+
+
+@dataclass
+class CodedEntry:
+    """The tensors of one parameter as a kernel sees them (all contiguous)."""
+    master: Tensor                     # fp32 master / fp32 parameter, or the int16 remainder
+    grad: Tensor                       # fp32 / bf16 / fp16
+    exp_avg: Tensor                    # stored format: fp32 / bf16 / uint8 / float8_e4m3fn
+    exp_avg_sq: Tensor
+    exp_avg_scale: Tensor | None       # fp32 block scales of a blockwise exp_avg
+    exp_avg_sq_scale: Tensor | None
+    param16: Tensor | None             # the 16-bit parameter (bf16 / fp16), None for an fp32 parameter
+
+    @property
+    def layout(self) -> tuple:
+        """(grad dtype, param16 dtype or None, master kind, exp_avg dtype, exp_avg_sq dtype)."""
+        return (self.grad.dtype, None if self.param16 is None else self.param16.dtype,
+                MASTER_REMAINDER if self.master.dtype == torch.int16 else MASTER_FP32,
+                self.exp_avg.dtype, self.exp_avg_sq.dtype)
+
+
+@dataclass
+class CodedStep:
+    entries: list[CodedEntry]
+    coeffs: Tensor                     # fp32 [T, 3] on the device (step_size, bc2_sqrt, decay)
+    keys: Tensor                       # int64 [T, 3] on the device (m SR key, v SR key, flat index of element 0)
+    groups: dict[tuple, list[int]]     # layout -> indices into entries, in parameter order
+    writebacks: list[tuple[Tensor, Tensor]] = field(default_factory=list)   # (parameter, contiguous copy)
+
+    def finish(self) -> None:
+        """Copy the updated contiguous copies back into non-contiguous parameters."""
+        for dst, tmp in self.writebacks:
+            dst.detach().copy_(tmp)
+
+
+def prepare(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]], seeds: list[int], *,
+            lr, beta1: float, beta2: float, weight_decay: float, adamw: bool,
+            found_inf: Tensor | None = None) -> CodedStep:
+    """Increment every state's step (by 1 - found_inf) and build the kernels' arguments (see the module doc)."""
+    device = params[0].device
+    steps = torch.stack([s["step"].reshape(()) for s in states])
+    steps.add_(1.0 if found_inf is None else 1.0 - found_inf.to(device, torch.float32).reshape(()))
+    for s, t in zip(states, steps.unbind()):
+        s["step"].copy_(t)
+    coeffs = compute_coeffs(steps, lr, beta1, beta2, weight_decay, adamw, device=device)
+    seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
+    step_i = steps.to(torch.int64)
+    keys = torch.stack([codecs.sr_key(seed_t, step_i, 0), codecs.sr_key(seed_t, step_i, 1),
+                        torch.zeros_like(seed_t)], dim=1).contiguous()
+    step = CodedStep([], coeffs, keys, {})
+    for i, (p, g, s) in enumerate(zip(params, grads, states)):
+        if not p.is_contiguous():
+            tmp = p.detach().contiguous()
+            step.writebacks.append((p, tmp))
+            p = tmp
+        master = s.get("master_remainder", s.get("master_param", p))
+        e = CodedEntry(master=master.detach(), grad=g if g.is_contiguous() else g.contiguous(),
+                       exp_avg=s["exp_avg"], exp_avg_sq=s["exp_avg_sq"], exp_avg_scale=s.get("exp_avg_scale"),
+                       exp_avg_sq_scale=s.get("exp_avg_sq_scale"), param16=None if master is p else p.detach())
+        step.entries.append(e)
+        step.groups.setdefault(e.layout, []).append(i)
+    return step
+
+
+_BOOKS: dict = {}
+
+
+def books(device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(m table, m midpoints, v table, v midpoints) of the default code books on ``device``, uploaded once."""
+    if device not in _BOOKS:
+        m, v = codecs.CODE_BOOKS[codecs.M_CODE], codecs.CODE_BOOKS[codecs.V_CODE]
+        _BOOKS[device] = tuple(t.to(device) for t in (m, codecs.midpoints(m), v, codecs.midpoints(v)))
+    return _BOOKS[device]
+
+
+def run_extension(fn: Callable[..., None], params: list[Tensor], grads: list[Tensor],
+                  states: list[dict[str, Tensor]], seeds: list[int], *, lr, beta1: float, beta2: float, eps: float,
+                  weight_decay: float, adamw: bool, maximize: bool = False, grad_scale: Tensor | None = None,
+                  found_inf: Tensor | None = None) -> None:
+    """``codecs.adam_step_coded`` for every (param, grad, state, seed) through a C++ entry point of the
+    ZK_CODED_ADAM_ARGS contract (``_ext.fused_adam_coded_cpu`` / ``_cuda``): one call per layout group."""
+    if not params:
+        return
+    step = prepare(params, grads, states, seeds, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                   adamw=adamw, found_inf=found_inf)
+    device = params[0].device
+    gs = None if grad_scale is None else grad_scale.to(device, torch.float32).reshape(1)
+    fi = None if found_inf is None else found_inf.to(device, torch.float32).reshape(1)
+    for idx in step.groups.values():
+        es = [step.entries[i] for i in idx]
+        index = torch.tensor(idx, dtype=torch.int64, device=device)
+        fn([e.master for e in es], [e.grad for e in es], [e.exp_avg for e in es], [e.exp_avg_sq for e in es],
+           [e.exp_avg_scale for e in es if e.exp_avg_scale is not None],
+           [e.exp_avg_sq_scale for e in es if e.exp_avg_sq_scale is not None],
+           [e.param16 for e in es if e.param16 is not None],
+           step.coeffs.index_select(0, index).contiguous(), step.keys.index_select(0, index).contiguous(),
+           *books(device), beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
+           maximize=maximize, grad_scale=gs, found_inf=fi)
+    step.finish()
