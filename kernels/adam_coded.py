@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import codecs
-from ..reference import compute_coeffs, moment_coeffs
+from .._coded_host import CodedEntry, books, prepare
+from ..reference import moment_coeffs
 from ._codecs import (F8_MAX, QBLOCK, block_absmax, decode_bf16, decode_f8, decode_q8, encode_bf16_sr, encode_f8,
                       encode_q8, join_remainder, ld, scaled, split_remainder, st)
 from ._multi_tensor import chunk_map, device_guard, pointer_table, program_chunk, round_bf16_bits, upload
@@ -181,72 +181,41 @@ def fused_adam_coded_kernel(
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2, torch.float8_e4m3fn: 3}
 _P16 = {None: 0, torch.bfloat16: 1, torch.float16: 2}
-_BOOKS: dict = {}
 
 
-def _books(device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(m table, m midpoints, v table, v midpoints) on ``device``, uploaded once."""
-    if device not in _BOOKS:
-        m, v = codecs.CODE_BOOKS[codecs.M_CODE], codecs.CODE_BOOKS[codecs.V_CODE]
-        _BOOKS[device] = tuple(t.to(device) for t in (m, codecs.midpoints(m), v, codecs.midpoints(v)))
-    return _BOOKS[device]
-
-
-def _row(p: Tensor, g: Tensor, s: dict[str, Tensor]) -> tuple[list[int], tuple]:
-    """(pointer-table row, launch key) of one tensor and its coded state."""
-    master = s.get("master_remainder", s.get("master_param", p))
-    p16 = p if master is not p else None
-    ptrs = [master.data_ptr(), g.data_ptr(), s["exp_avg"].data_ptr(), s["exp_avg_sq"].data_ptr(),
-            s["exp_avg_scale"].data_ptr() if "exp_avg_scale" in s else 0,
-            s["exp_avg_sq_scale"].data_ptr() if "exp_avg_sq_scale" in s else 0, 0 if p16 is None else p16.data_ptr()]
-    key = (g.dtype, None if p16 is None else p16.dtype, int("master_remainder" in s),
-           _KIND[s["exp_avg"].dtype], _KIND[s["exp_avg_sq"].dtype])
-    return ptrs, key
+def _row(e: CodedEntry) -> list[int]:
+    """Pointer-table row of one tensor and its coded state (0 = absent)."""
+    return [e.master.data_ptr(), e.grad.data_ptr(), e.exp_avg.data_ptr(), e.exp_avg_sq.data_ptr(),
+            0 if e.exp_avg_scale is None else e.exp_avg_scale.data_ptr(),
+            0 if e.exp_avg_sq_scale is None else e.exp_avg_sq_scale.data_ptr(),
+            0 if e.param16 is None else e.param16.data_ptr()]
 
 
 def adam_step_coded_triton(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]],
                            seeds: list[int], *, lr, beta1: float, beta2: float, eps: float, weight_decay: float,
                            adamw: bool, maximize: bool = False, grad_scale: Tensor | None = None,
                            found_inf: Tensor | None = None, index_offsets: list[int] | None = None) -> None:
-    """``codecs.adam_step_coded`` for every (param, grad, state, seed[, index offset]), in place: one launch per (grad dtype,
+    """``codecs.adam_step_coded`` for every (param, grad, state, seed[, index offset]), in place: one launch per
+    (grad dtype,
     param dtype, state kinds). ``grad_scale`` multiplies the gradient; a nonzero ``found_inf`` changes
-    nothing but is still counted as torch counts it (the step is incremented by 1 - found_inf)."""
+    nothing but is still counted as torch counts it (the step is incremented by 1 - found_inf). The host
+    side (steps, coefficients, keys, grouping) is ``zero_kernels._coded_host.prepare``, shared with the C++
+    kernels."""
     if not params:
         return
     device = params[0].device
-    steps = torch.stack([s["step"].reshape(()) for s in states])
-    steps.add_(1.0 if found_inf is None else 1.0 - found_inf.to(device, torch.float32).reshape(()))
-    for s, t in zip(states, steps.unbind()):
-        s["step"].copy_(t)
-    coeffs = compute_coeffs(steps, lr, beta1, beta2, weight_decay, adamw, device=device)
-    seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
-    step_i = steps.to(torch.int64)
-    offs = torch.zeros_like(seed_t) if index_offsets is None else \
-        torch.tensor(index_offsets, dtype=torch.int64, device=device)
-    keys = torch.stack([codecs.sr_key(seed_t, step_i, 0), codecs.sr_key(seed_t, step_i, 1), offs],
-                       dim=1).contiguous()
-    groups: dict[tuple, list[int]] = {}
-    rows, writebacks = [], []
-    grads = [g if g.is_contiguous() else g.contiguous() for g in grads]   # alive until the launches are queued
-    for i, (p, g, s) in enumerate(zip(params, grads, states)):
-        if not p.is_contiguous():
-            tmp = p.detach().contiguous()
-            writebacks.append((p, tmp))
-            p = tmp
-        ptrs, key = _row(p, g, s)
-        rows.append(ptrs)
-        groups.setdefault(key, []).append(i)
-    for key, idx in groups.items():
-        _launch(key, idx, [rows[i] for i in idx], [params[i].numel() for i in idx], coeffs, keys, device,
-                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw, maximize=maximize,
-                grad_scale=grad_scale, found_inf=found_inf)
-    for dst, tmp in writebacks:
-        dst.detach().copy_(tmp)
+    step = prepare(params, grads, states, seeds, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                   adamw=adamw, found_inf=found_inf, index_offsets=index_offsets)
+    for key, idx in step.groups.items():
+        _launch(key, idx, [_row(step.entries[i]) for i in idx], [params[i].numel() for i in idx], step.coeffs,
+                step.keys, device, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
+                maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
+    step.finish()
 
 
 def _launch(key: tuple, idx: list[int], rows: list[list[int]], numels: list[int], coeffs: Tensor, keys: Tensor,
             device: torch.device, *, beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf) -> None:
-    grad_dtype, p16_dtype, master_kind, m_kind, v_kind = key
+    grad_dtype, p16_dtype, master_kind, m_dtype, v_dtype = key
     table = pointer_table([x for r in rows for x in r], device)
     numels_t, chunk_tensor, chunk_start = chunk_map(tuple(numels), CHUNK, device)
     if chunk_tensor.numel() == 0:
@@ -258,10 +227,10 @@ def _launch(key: tuple, idx: list[int], rows: list[list[int]], numels: list[int]
     one_minus_beta1, one_minus_beta2 = moment_coeffs(beta1, beta2)
     with device_guard(device):
         fused_adam_coded_kernel[(chunk_tensor.numel(),)](
-            table, numels_t, c, k, chunk_tensor, chunk_start, *_books(device), gs, fi,
+            table, numels_t, c, k, chunk_tensor, chunk_start, *books(device), gs, fi,
             one_minus_beta1, float(beta2), one_minus_beta2, float(eps), float(weight_decay),
-            GRAD_DTYPE=_TL[grad_dtype], P16_KIND=_P16[p16_dtype], MASTER_KIND=master_kind, M_KIND=m_kind,
-            V_KIND=v_kind, HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+            GRAD_DTYPE=_TL[grad_dtype], P16_KIND=_P16[p16_dtype], MASTER_KIND=master_kind, M_KIND=_KIND[m_dtype],
+            V_KIND=_KIND[v_dtype], HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
             ADAMW=bool(adamw), MAXIMIZE=bool(maximize), BLOCK_SIZE=BLOCK, N_ITERS=ITERS, **LAUNCH_OPTIONS)
 
 

@@ -12,7 +12,7 @@ import zero_kernels as zk
 from zero_kernels import codecs as C
 
 BF, U8, F8, F32 = torch.bfloat16, torch.uint8, torch.float8_e4m3fn, torch.float32
-CODED_BACKENDS = ["reference", "triton"]
+CODED_BACKENDS = ["reference", "triton", "cpu"]
 # Below one block, one block, a partial last block, odd sizes, two Triton chunks (4096) and a bit.
 SHAPES = [(1,), (7, 3), (255,), (256,), (257,), (1003,), (33, 129)]
 FORMATS = {
@@ -188,7 +188,6 @@ def test_loss_quality_versus_torch_adamw(fmt, tol):
     (dict(exp_avg_dtype=U8, amsgrad=True), ValueError, "amsgrad"),
     (dict(exp_avg_dtype=BF, master_weights=False), ValueError, "master_weights=False"),
     (dict(store_param_remainders=True), ValueError, r"params\[1\] has dtype torch.float32"),
-    (dict(exp_avg_dtype=U8, backend="cpu"), NotImplementedError, "backend='triton' or 'reference'"),
 ])
 def test_bad_formats_raise(kwargs, exc, msg):
     ps = [torch.zeros(3, dtype=BF, requires_grad=True), torch.zeros(3, requires_grad=True)]
@@ -196,10 +195,16 @@ def test_bad_formats_raise(kwargs, exc, msg):
         zk.FusedAdamW(ps, **kwargs)
 
 
-def test_auto_on_cpu_runs_the_reference_with_a_warning_and_defaults_are_fp32():
+def test_auto_on_cpu_runs_the_cpp_kernel_and_defaults_are_fp32():
     p = [torch.zeros(300, requires_grad=True)]
-    with pytest.warns(UserWarning, match="the pure-torch reference runs them"):
-        assert zk.FusedAdamW(p, exp_avg_dtype=U8).backend == {"cpu": "reference"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert zk.FusedAdamW(p, exp_avg_dtype=U8).backend == {"cpu": "cpu"}
+        o = zk.FusedAdamW(p, exp_avg_dtype=U8, backend="cpu")
+        p[0].grad = torch.ones(300)
+        o.step()
+        assert o.backend == {"cpu": "cpu"} and o.state[p[0]]["exp_avg"].dtype == U8
+    p[0].grad = None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         o = zk.FusedAdamW(p, exp_avg_dtype=F32, exp_avg_sq_dtype=F32, store_param_remainders=False, backend="reference")

@@ -60,8 +60,10 @@ class CodedStep:
 
 def prepare(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]], seeds: list[int], *,
             lr, beta1: float, beta2: float, weight_decay: float, adamw: bool,
-            found_inf: Tensor | None = None) -> CodedStep:
-    """Increment every state's step (by 1 - found_inf) and build the kernels' arguments (see the module doc)."""
+            found_inf: Tensor | None = None, index_offsets: list[int] | None = None) -> CodedStep:
+    """Increment every state's step (by 1 - found_inf) and build the kernels' arguments (see the module doc).
+    ``index_offsets``: flat index of each tensor's element 0 in its full tensor (a ZeRO slice's offset; the
+    stochastic-rounding bits are keyed by it), default 0."""
     device = params[0].device
     steps = torch.stack([s["step"].reshape(()) for s in states])
     steps.add_(1.0 if found_inf is None else 1.0 - found_inf.to(device, torch.float32).reshape(()))
@@ -70,8 +72,10 @@ def prepare(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Te
     coeffs = compute_coeffs(steps, lr, beta1, beta2, weight_decay, adamw, device=device)
     seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
     step_i = steps.to(torch.int64)
-    keys = torch.stack([codecs.sr_key(seed_t, step_i, 0), codecs.sr_key(seed_t, step_i, 1),
-                        torch.zeros_like(seed_t)], dim=1).contiguous()
+    offs = torch.zeros_like(seed_t) if index_offsets is None else \
+        torch.tensor(index_offsets, dtype=torch.int64, device=device)
+    keys = torch.stack([codecs.sr_key(seed_t, step_i, 0), codecs.sr_key(seed_t, step_i, 1), offs],
+                       dim=1).contiguous()
     step = CodedStep([], coeffs, keys, {})
     for i, (p, g, s) in enumerate(zip(params, grads, states)):
         if not p.is_contiguous():
@@ -101,13 +105,13 @@ def books(device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 def run_extension(fn: Callable[..., None], params: list[Tensor], grads: list[Tensor],
                   states: list[dict[str, Tensor]], seeds: list[int], *, lr, beta1: float, beta2: float, eps: float,
                   weight_decay: float, adamw: bool, maximize: bool = False, grad_scale: Tensor | None = None,
-                  found_inf: Tensor | None = None) -> None:
-    """``codecs.adam_step_coded`` for every (param, grad, state, seed) through a C++ entry point of the
+                  found_inf: Tensor | None = None, index_offsets: list[int] | None = None) -> None:
+    """``codecs.adam_step_coded`` for every (param, grad, state, seed[, index offset]) through a C++ entry point of the
     ZK_CODED_ADAM_ARGS contract (``_ext.fused_adam_coded_cpu`` / ``_cuda``): one call per layout group."""
     if not params:
         return
     step = prepare(params, grads, states, seeds, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-                   adamw=adamw, found_inf=found_inf)
+                   adamw=adamw, found_inf=found_inf, index_offsets=index_offsets)
     device = params[0].device
     gs = None if grad_scale is None else grad_scale.to(device, torch.float32).reshape(1)
     fi = None if found_inf is None else found_inf.to(device, torch.float32).reshape(1)

@@ -25,9 +25,12 @@ bf16 parameter cannot become a remainder: that raises before anything is loaded 
 state dict first). Shapes that do not match raise before anything is loaded too.
 
 Backends: ``reference`` runs ``codecs.adam_step_coded`` per tensor (the definition); ``triton`` runs
-``kernels/adam_coded.py`` (one fused pass, bitwise equal to the reference). The C++ ``cpu`` and
-``cuda`` kernels do not implement coded states yet: asking for them raises; ``auto`` picks triton on
-CUDA and the reference on CPU (with a warning that the C++ kernel is not used).
+``kernels/adam_coded.py``; ``cpu`` runs the C++ kernel ``csrc/cpu_adam_coded.cpp`` and ``cuda`` the C++/CUDA
+one (``fused_adam_coded_cuda``, when the extension was built with it; otherwise asking for it raises). Every
+kernel is one fused pass, bitwise equal to the reference, and shares one host side (steps, coefficients,
+stochastic-rounding keys, layout groups: ``zero_kernels._coded_host``). ``auto`` picks triton, then the CUDA
+kernel, on CUDA, and the C++ kernel on CPU; when the extension is unavailable it runs the reference after
+the fp32 path's one fallback warning (``_ext.warn_fallback_once``), or after a warning on CUDA.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import backends, codecs
+from . import _coded_host, backends, codecs
 from ._launch_plan import local
 from .hparams import StateFormat, scalar_lr
 
@@ -196,20 +199,36 @@ def coded_work(param_groups: list[dict], state: dict, fmt: StateFormat) -> list[
     return work
 
 
+def _cuda_kernel_missing() -> str | None:
+    """Why the C++ coded CUDA kernel cannot run (None when it can)."""
+    from . import _ext
+    mod = _ext.cpu_module()
+    if mod is None or not hasattr(mod, "fused_adam_coded_cuda"):
+        return ("the C++ cuda kernel for coded optimizer states (exp_avg_dtype / exp_avg_sq_dtype / "
+                "store_param_remainders) is not in this build of the extension")
+    return None
+
+
 def resolve_backend(request: str, device: torch.device) -> str:
     """The backend that runs coded states on ``device`` ([Note: coded state dicts], last paragraph)."""
-    if request in _C_KERNELS:
-        raise NotImplementedError(
-            f"backend={request!r}: the C++ {request} kernel does not implement coded optimizer states "
-            "(exp_avg_dtype / exp_avg_sq_dtype / store_param_remainders) yet; use backend='triton' or 'reference'")
+    if request == "cuda":
+        name = backends.resolve(request, device)          # ValueError: not a CUDA tensor / no CUDA build
+        why = _cuda_kernel_missing()
+        if why is not None:
+            raise NotImplementedError(f"backend='cuda': {why}; use backend='triton' or 'reference'")
+        return name
     if request != "auto":
         return backends.resolve(request, device)
-    if device.type == "cuda" and backends.why_unavailable("triton", device) is None:
-        return "triton"
-    warnings.warn(f"coded optimizer states on {device.type}: the C++ kernel does not implement them yet, the "
-                  "pure-torch reference runs them (slow); pass backend='reference' (or 'triton') to silence this",
-                  UserWarning, stacklevel=4)
-    return "reference"
+    if device.type == "cuda":
+        if backends.why_unavailable("triton", device) is None:
+            return "triton"
+        if backends.why_unavailable("cuda", device) is None and _cuda_kernel_missing() is None:
+            return "cuda"
+        warnings.warn(f"coded optimizer states on {device}: neither triton nor the C++ cuda kernel can run them, "
+                      "the pure-torch reference does (slow); pass backend='reference' to silence this",
+                      UserWarning, stacklevel=4)
+        return "reference"
+    return backends.resolve("auto", device)                # cpu, or the reference after the fallback warning
 
 
 def step_coded(backend: str, params: list[Tensor], states: list[dict[str, Tensor]], seeds: list[int],
@@ -237,6 +256,12 @@ def run_coded(backend: str, params: list[Tensor], grads: list[Tensor], states: l
         from .kernels.adam_coded import adam_step_coded_triton   # triton is optional: imported when used
         adam_step_coded_triton(params, grads, states, seeds, grad_scale=grad_scale, found_inf=found_inf,
                                index_offsets=offsets, **hp)
+        return
+    if backend in _C_KERNELS:
+        from . import _ext
+        fn = _ext.fused_adam_coded_cpu if backend == "cpu" else _ext.fused_adam_coded_cuda
+        _coded_host.run_extension(fn, params, grads, states, seeds, grad_scale=grad_scale, found_inf=found_inf,
+                                  index_offsets=offsets, **hp)
         return
     for p, g, st, seed, off in zip(params, grads, states, seeds, offsets):
         codecs.adam_step_coded(p, g, st, seed=seed, index_offset=off, grad_scale=grad_scale, found_inf=found_inf,
