@@ -52,12 +52,14 @@ ZK_TGT static inline void zk_c_decode(int kind, const void* src, float scale, co
   }
 }
 
-// Block absmax on the bits: |x| as int32 orders like the floats, every NaN above +inf (as the
-// Triton kernel; torch.amax of |x|).
+// Block absmax on the bits: |x| as int32 orders like the floats, every NaN above +inf; a NaN
+// result is torch.amax's canonical 0x7FC00000 whatever the NaNs' payloads (a decoded fp8 NaN is
+// 0x7FF00000).
 ZK_TGT static inline float zk_c_absmax(const float* x) {
   Q::I acc = Q::set1i(0);
   for (int i = 0; i < ZK_QBLOCK; i += Q::W) acc = Q::maxi(acc, Q::andi(Q::bi(Q::ldf(x + i)), Q::set1i(0x7FFFFFFF)));
-  const uint32_t u = Q::hmaxi(acc);
+  uint32_t u = Q::hmaxi(acc);
+  if (u > 0x7F800000u) u = 0x7FC00000u;
   float f;
   std::memcpy(&f, &u, 4);
   return f;

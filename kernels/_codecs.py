@@ -59,9 +59,11 @@ def decode_bf16(h):
 @triton.jit
 def block_absmax(x, mask):
     """Per row (quantization block): max |x| over the unmasked lanes, NaN if one is NaN (torch.amax).
-    On the bits: |x| as int32 orders like the floats, and every NaN is above +inf."""
+    On the bits: |x| as int32 orders like the floats, and every NaN is above +inf; a NaN result is
+    torch.amax's canonical 0x7FC00000 whatever the payloads (a decoded fp8 NaN is 0x7FF00000)."""
     a = tl.where(mask, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
-    return tl.max(a, axis=1).to(tl.float32, bitcast=True)
+    m = tl.max(a, axis=1)
+    return tl.where(m > 0x7F800000, 0x7FC00000, m).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -110,16 +110,17 @@ def test_negative_controls(wrong):
 @pytest.mark.parametrize("dtype,rem,m_dtype,v_dtype", [(BF, True, U8, U8), (BF, True, BF, F8), (F32, False, F8, BF),
                                                        (BF, False, U8, F8)])
 def test_nan_and_inf_gradients(dtype, rem, m_dtype, v_dtype):
-    """A NaN gradient poisons its element (and its 8-bit / fp8 block), infinities theirs: every state bit as the
-    reference. Only the NaN payload of a bf16 parameter written from an fp32 master may differ (the fp32 kernel's
+    """A NaN gradient poisons its element (and its 8-bit / fp8 block), infinities theirs, over two steps: every
+    state bit as the reference (a NaN block scale is torch.amax's canonical 0x7FC00000). Only the NaN payload of a bf16 parameter written from an fp32 master may differ (the fp32 kernel's
     rule, adam.py's round_bf16_bits, vs torch's CPU cast): there both must be NaN."""
     ps, states = setup(1, dtype, rem, m_dtype, v_dtype, sizes=[600, 1030])
     qs, refs = setup(1, dtype, rem, m_dtype, v_dtype, sizes=[600, 1030])
-    gs = grads(3, 0, ps)
-    gs[0][300], gs[1][5], gs[1][700] = float("nan"), float("inf"), -float("inf")
-    adam_step_coded_triton(ps, gs, states, [0, 1], **HP)
-    for q, g, r, sd in zip(qs, gs, refs, [0, 1]):
-        C.adam_step_coded(q, g, r, seed=sd, **HP)
+    for t in range(2):   # the second step decodes the poisoned codes (an fp8 NaN decodes to 0x7FF00000)
+        gs = grads(3, t, ps)
+        gs[0][300], gs[1][5], gs[1][700] = float("nan"), float("inf"), -float("inf")
+        adam_step_coded_triton(ps, gs, states, [0, 1], **HP)
+        for q, g, r, sd in zip(qs, gs, refs, [0, 1]):
+            C.adam_step_coded(q, g, r, seed=sd, **HP)
     for p, s, q, r in zip(ps, states, qs, refs):
         assert all(torch.equal(bits(s[k]), bits(r[k])) for k in s)
         nan = torch.isnan(q)

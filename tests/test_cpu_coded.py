@@ -1,0 +1,290 @@
+"""The C++ CPU kernel for coded Adam states (csrc/cpu_adam_coded.cpp, via zero_kernels._ext.fused_adam_coded_cpu and
+zero_kernels._coded_host) against zero_kernels.codecs.adam_step_coded, the definition: every stored byte equal
+(parameters, masters / remainders, codes, block scales) for every state kind and layout, odd sizes and partial
+blocks, several steps, AdamW / Adam-L2 + maximize, grad_scale, found_inf, NaN / inf gradients, 1 and 2 threads and
+every SIMD path (ZERO_KERNELS_CPU_ISA, in subprocesses); the optimizer with backend="cpu" against
+backend="reference"; the front end's argument errors; negative controls (another code book, swapped midpoint
+tables, another seed) must differ."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import zero_kernels as zk
+from zero_kernels import _coded_host, _ext
+from zero_kernels import codecs as C
+
+CPP = _ext.cpu_module()
+pytestmark = pytest.mark.skipif(CPP is None and os.environ.get("ZK_REQUIRE_CPU") != "1",
+                                reason=f"C++ extension unavailable: {_ext.load_error()}")
+
+BF, F16, U8, F8, F32 = torch.bfloat16, torch.float16, torch.uint8, torch.float8_e4m3fn, torch.float32
+KINDS = [F32, BF, U8, F8]
+SIZES = [1, 255, 256, 257, 1000, 5000, 70001]
+LAYOUTS = {"remainder": (BF, True), "bf16+master": (BF, False), "fp16+master": (F16, False), "fp32": (F32, False)}
+HP = {"adamw": dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=True),
+      "l2+max": dict(lr=3e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.03, adamw=False, maximize=True)}
+
+
+def bits(t):
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def setup(seed, layout, m_dtype, v_dtype, sizes):
+    dtype, rem = LAYOUTS[layout]
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    fmt = dict(exp_avg_dtype=m_dtype, exp_avg_sq_dtype=v_dtype, store_param_remainders=rem)
+    return ps, [C.init_coded_state(p, **fmt) for p in ps]
+
+
+def grads_for(seed, t, ps, gdt):
+    g = torch.Generator().manual_seed(seed * 100 + t)
+    return [(torch.randn(p.shape, generator=g) * 10.0 ** float(torch.randint(-4, 1, (), generator=g))).to(gdt)
+            for p in ps]
+
+
+def kernel_step(ps, gs, states, seeds, hp, **kw):
+    _coded_host.run_extension(_ext.fused_adam_coded_cpu, ps, gs, states, seeds, **hp, **kw)
+
+
+def reference_step(ps, gs, states, seeds, hp, **kw):
+    for p, g, s, sd in zip(ps, gs, states, seeds):
+        C.adam_step_coded(p, g, s, seed=sd, **hp, **kw)
+
+
+def assert_equal(ps, states, qs, refs):
+    for i, (p, s, q, r) in enumerate(zip(ps, states, qs, refs)):
+        assert torch.equal(bits(p), bits(q)), f"param {i} ({p.numel()} elements) differs"
+        for k in s:
+            assert torch.equal(bits(s[k]), bits(r[k])), f"param {i} ({p.numel()} elements): state {k!r} differs"
+
+
+def check(layout, m_dtype, v_dtype, gdt=None, hp="adamw", steps=3, sizes=SIZES, seed=1, **kw):
+    ps, states = setup(seed, layout, m_dtype, v_dtype, sizes)
+    qs, refs = setup(seed, layout, m_dtype, v_dtype, sizes)
+    seeds = list(range(len(ps)))
+    for t in range(steps):
+        gs = grads_for(seed, t, ps, gdt or ps[0].dtype)
+        kernel_step(ps, gs, states, seeds, HP[hp], **kw)
+        reference_step(qs, gs, refs, seeds, HP[hp], **kw)
+    assert_equal(ps, states, qs, refs)
+    return ps, states
+
+
+@pytest.mark.parametrize("m_dtype", KINDS, ids=["m=fp32", "m=bf16", "m=u8", "m=f8"])
+@pytest.mark.parametrize("v_dtype", KINDS, ids=["v=fp32", "v=bf16", "v=u8", "v=f8"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_kernel_equals_codec_definition(m_dtype, v_dtype, layout):
+    check(layout, m_dtype, v_dtype, sizes=[1, 255, 257, 5000])
+
+
+@pytest.mark.parametrize("gdt", [F32, BF, F16], ids=["g=fp32", "g=bf16", "g=fp16"])
+@pytest.mark.parametrize("hp", list(HP))
+def test_grad_dtypes_hyperparameters_and_odd_sizes(gdt, hp):
+    check("remainder", U8, U8, gdt=gdt, hp=hp, steps=3)
+    check("fp32", F8, BF, gdt=gdt, hp=hp, steps=2, sizes=[1, 256, 1000, 70001])
+
+
+def test_fp16_master_layout_with_l2_and_maximize():
+    check("fp16+master", BF, U8, hp="l2+max", steps=4, sizes=[255, 256, 257, 1000])
+
+
+def test_grad_scale_and_found_inf():
+    ps, states = check("remainder", U8, BF, steps=2, sizes=[300, 1025], grad_scale=torch.tensor([0.25]))
+    before = [p.clone() for p in ps], [{k: v.clone() for k, v in s.items() if k != "step"} for s in states]
+    steps = [float(s["step"]) for s in states]
+    kernel_step(ps, grads_for(7, 0, ps, BF), states, [0, 1], HP["adamw"], found_inf=torch.ones(1))
+    assert [float(s["step"]) for s in states] == steps                  # torch counts a skipped step as 0
+    for p, s, q, r in zip(ps, states, *before):
+        assert torch.equal(bits(p), bits(q)) and all(torch.equal(bits(s[k]), bits(r[k])) for k in r)
+
+
+@pytest.mark.parametrize("layout,m_dtype,v_dtype", [("remainder", U8, U8), ("remainder", BF, F8), ("fp32", F8, BF),
+                                                    ("bf16+master", U8, F8), ("fp32", F32, U8)])
+def test_nan_and_inf_gradients(layout, m_dtype, v_dtype):
+    """A NaN gradient poisons its element (and its 8-bit / fp8 block), infinities theirs, over two steps (the
+    poisoned codes are decoded again): every state bit as the reference. Only the NaN payload of a 16-bit
+    parameter written from an fp32 master may differ (the fp32 kernel's rounding rule vs torch's cast)."""
+    ps, states = setup(1, layout, m_dtype, v_dtype, [600, 1030])
+    qs, refs = setup(1, layout, m_dtype, v_dtype, [600, 1030])
+    for t in range(2):
+        gs = grads_for(3, t, ps, ps[0].dtype)
+        gs[0][300], gs[1][5], gs[1][700] = float("nan"), float("inf"), -float("inf")
+        kernel_step(ps, gs, states, [0, 1], HP["adamw"])
+        reference_step(qs, gs, refs, [0, 1], HP["adamw"])
+    for p, s, q, r in zip(ps, states, qs, refs):
+        assert all(torch.equal(bits(s[k]), bits(r[k])) for k in s)
+        nan = torch.isnan(q)
+        assert bool(nan.any()) and torch.equal(torch.isnan(p), nan)
+        assert torch.equal(bits(p[~nan]), bits(q[~nan]))
+        if LAYOUTS[layout][1]:
+            assert torch.equal(bits(p), bits(q))
+
+
+def _run_threads(nthreads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(nthreads)
+    try:
+        ps, states = setup(4, "remainder", U8, BF, [70001, 257, 200000])
+        for t in range(2):
+            kernel_step(ps, grads_for(4, t, ps, BF), states, [0, 1, 2], HP["adamw"])
+        return ps, states
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_one_and_two_threads_bitwise():
+    a, b = _run_threads(1), _run_threads(2)
+    assert_equal(a[0], a[1], b[0], b[1])
+
+
+def test_multi_tensor_groups_and_non_contiguous_parameter():
+    """Tensors of several layouts in one step (one kernel call per group) and a transposed parameter."""
+    base = torch.randn(40, 30).to(BF)
+    p, q = base.t(), base.clone().t()
+    fmts = [dict(exp_avg_dtype=U8, exp_avg_sq_dtype=BF, store_param_remainders=True),
+            dict(exp_avg_dtype=F8, exp_avg_sq_dtype=U8)]
+    extra = [torch.randn(513).to(BF), torch.randn(700).to(BF)]
+    ps, qs = [p] + extra, [q] + [e.clone() for e in extra]
+    ss = [C.init_coded_state(x, **fmts[i % 2]) for i, x in enumerate(ps)]
+    rs = [C.init_coded_state(x, **fmts[i % 2]) for i, x in enumerate(qs)]
+    gs = [torch.randn(40, 30).to(BF).t()] + [torch.randn(e.shape).to(BF) for e in extra]
+    kernel_step(ps, gs, ss, [0, 1, 2], HP["adamw"])
+    reference_step(qs, gs, rs, [0, 1, 2], HP["adamw"])
+    assert_equal(ps, ss, qs, rs)
+
+
+ISA_SCRIPT = textwrap.dedent("""
+    import hashlib, json, sys, torch
+    sys.path.insert(0, {tests!r})
+    import test_cpu_coded as T
+    from zero_kernels import _ext
+    out = {{"isa": _ext.cpu_module().cpu_isa()}}
+    torch.set_num_threads(2)
+    for m, v, layout, gdt in ((T.U8, T.U8, "remainder", T.BF), (T.F8, T.BF, "fp32", T.F32),
+                              (T.BF, T.F8, "fp16+master", T.F16), (T.F32, T.U8, "bf16+master", T.BF)):
+        ps, states = T.check(layout, m, v, gdt=gdt, hp="l2+max" if m == T.F8 else "adamw", steps=2,
+                             sizes=[1, 255, 257, 5000])
+        h = hashlib.sha256()
+        for p, s in zip(ps, states):
+            h.update(T.bits(p).numpy().tobytes())
+            for k in sorted(s):
+                h.update(T.bits(s[k]).numpy().tobytes())
+        out[f"{{m}}/{{v}}/{{layout}}"] = h.hexdigest()
+    print(json.dumps(out))
+""")
+
+
+def test_every_simd_path_bitwise():
+    """avx512, avx2 and scalar (ZERO_KERNELS_CPU_ISA; an unsupported one is lowered) each equal the reference
+    (the script asserts it) and give the same bits."""
+    script = ISA_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    results = {}
+    for isa in ("avx512", "avx2", "scalar"):
+        r = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, ZERO_KERNELS_CPU_ISA=isa),
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+        results[res.pop("isa")] = res
+    assert "scalar" in results
+    vals = list(results.values())
+    assert all(v == vals[0] for v in vals), results
+
+
+@pytest.mark.parametrize("fmt", [dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8, store_param_remainders=True),
+                                 dict(exp_avg_dtype=F8, exp_avg_sq_dtype=BF),
+                                 dict(exp_avg_dtype=BF, exp_avg_sq_dtype=U8, min_8bit_size=1)])
+def test_optimizer_cpu_equals_reference(fmt):
+    def run(backend):
+        g = torch.Generator().manual_seed(5)
+        ps = [torch.randn(s, generator=g).to(BF).requires_grad_() for s in [(7, 3), (255,), (33, 129), (1000,)]]
+        opt = zk.FusedAdamW(ps, lr=1e-2, weight_decay=0.1, backend=backend, **fmt)
+        for t in range(3):
+            for p, gr in zip(ps, grads_for(6, t, ps, BF)):
+                p.grad = gr
+            opt.step()
+        assert opt.backend == {"cpu": backend}
+        return ps, [opt.state[p] for p in ps]
+    assert_equal(*run("cpu"), *run("reference"))
+
+
+# ------------------------------------------------------------------------------------- negative controls
+@pytest.mark.parametrize("wrong", ["code book", "swapped midpoints", "seed"])
+def test_negative_controls(wrong):
+    """The comparison catches a kernel fed another code book, m's and v's midpoint tables swapped, or other
+    stochastic-rounding bits: each such run differs from the reference."""
+    ps, states = setup(8, "fp32", U8, U8 if wrong != "seed" else BF, [1025, 300])
+    qs, refs = setup(8, "fp32", U8, U8 if wrong != "seed" else BF, [1025, 300])
+    gs = grads_for(9, 0, ps, F32)
+    m_tab, m_mid, v_tab, v_mid = _coded_host.books(torch.device("cpu"))
+    if wrong == "code book":
+        lin = C.CODE_BOOKS["linear_signed"]
+        books = (lin, C.midpoints(lin), v_tab, v_mid)
+    elif wrong == "swapped midpoints":
+        books = (m_tab, v_mid, v_tab, m_mid)
+    else:
+        books = (m_tab, m_mid, v_tab, v_mid)
+    step = _coded_host.prepare(ps, gs, states, [1, 0] if wrong == "seed" else [0, 1], lr=1e-2, beta1=0.9,
+                               beta2=0.999, weight_decay=0.1, adamw=True)
+    for idx in step.groups.values():
+        es = [step.entries[i] for i in idx]
+        _ext.fused_adam_coded_cpu([e.master for e in es], [e.grad for e in es], [e.exp_avg for e in es],
+                                  [e.exp_avg_sq for e in es], [e.exp_avg_scale for e in es],
+                                  [e.exp_avg_sq_scale for e in es if e.exp_avg_sq_scale is not None], [],
+                                  step.coeffs[idx], step.keys[idx], *books, beta1=0.9, beta2=0.999, eps=1e-8,
+                                  weight_decay=0.1, adamw=True, maximize=False)
+    reference_step(qs, gs, refs, [0, 1], HP["adamw"])
+    with pytest.raises(AssertionError, match="differs"):
+        assert_equal(ps, states, qs, refs)
+
+
+# ------------------------------------------------------------------------------------- argument errors
+def _args(n=300, m_dtype=U8):
+    p = torch.randn(n).to(BF)
+    st = C.init_coded_state(p, exp_avg_dtype=m_dtype, exp_avg_sq_dtype=BF, store_param_remainders=True)
+    books = list(_coded_host.books(torch.device("cpu")))
+    return dict(masters=[st["master_remainder"]], grads=[torch.randn(n).to(BF)], exp_avgs=[st["exp_avg"]],
+                exp_avg_sqs=[st["exp_avg_sq"]], exp_avg_scales=[st["exp_avg_scale"]] if "exp_avg_scale" in st else [],
+                exp_avg_sq_scales=[], params16=[p], coeffs=torch.tensor([[1e-2, 0.5, 1.0]]),
+                keys=torch.zeros(1, 3, dtype=torch.int64), m_table=books[0], m_mid=books[1], v_table=books[2],
+                v_mid=books[3])
+
+
+@pytest.mark.parametrize("change,msg", [
+    (dict(exp_avgs=[torch.zeros(300, dtype=torch.int8)]), "exp_avgs must be float32, bfloat16, uint8"),
+    (dict(grads=[torch.zeros(300, dtype=torch.float64)]), "grads must be float32, bfloat16 or float16"),
+    (dict(masters=[torch.zeros(300, dtype=torch.int32)]), "masters must be float32"),
+    (dict(exp_avg_scales=[]), r"exp_avg_scales needs one fp32 scale tensor per parameter"),
+    (dict(exp_avg_scales=[torch.zeros(1)]), r"exp_avg_scales\[0\] has 1 scales but masters\[0\] has 300"),
+    (dict(exp_avg_sq_scales=[torch.zeros(2)]), "exp_avg_sq_scales must be empty"),
+    (dict(grads=[torch.zeros(299, dtype=BF)]), r"grads\[0\] has 299 elements but masters\[0\] has 300"),
+    (dict(params16=[]), "params16 must hold the T bf16 parameters"),
+    (dict(params16=[torch.zeros(300, dtype=F16)]), "params16 must be bfloat16"),
+    (dict(m_mid=torch.zeros(256)), "m_mid must be a contiguous float32 tensor of 255 elements"),
+    (dict(keys=torch.zeros(1, 3)), "keys must be a contiguous int64 tensor"),
+    (dict(coeffs=torch.zeros(2, 3)), "coeffs must be a contiguous float32 tensor of shape"),
+])
+def test_front_end_argument_errors(change, msg):
+    a = _args() | change
+    with pytest.raises(RuntimeError, match=msg):
+        CPP.fused_adam_coded_cpu(**a, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True,
+                                 maximize=False)
+
+
+def test_front_end_refuses_non_contiguous_and_bad_scales_dtype():
+    a = _args()
+    a["grads"] = [torch.zeros(600, dtype=BF)[::2]]
+    with pytest.raises(RuntimeError, match=r"grads\[0\] is not contiguous"):
+        CPP.fused_adam_coded_cpu(**a, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True, maximize=False)
+    a = _args()
+    a["exp_avg_scales"] = [torch.zeros(2, dtype=F16)]
+    with pytest.raises(RuntimeError, match=r"exp_avg_scales\[0\] has dtype"):
+        CPP.fused_adam_coded_cpu(**a, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True, maximize=False)
+
