@@ -160,6 +160,10 @@ void zk_build_levels(const at::Tensor& table, const at::Tensor& mid, ZkLevels& o
   std::memcpy(out.mid, md, 255 * sizeof(float));
   for (int b = 0; b < 8; ++b)
     for (int k = 0; k < (1 << (7 - b)); ++k) out.lv[b][k] = md[k * (2 << b) + (1 << b) - 1];
+  for (int j = 0; j < 32; ++j) {
+    const int base = 8 * j, offs[6] = {1, 5, 0, 2, 4, 6};
+    for (int r = 0; r < 6; ++r) out.tail[r][j] = md[base + offs[r]];
+  }
 }
 
 constexpr int64_t ZK_GRAIN_BLOCKS = 128;  // 32K elements: below this, one thread

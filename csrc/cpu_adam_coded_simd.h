@@ -95,11 +95,20 @@ ZK_TGT static inline void zk_c_encode(int kind, const float* x, void* dst, float
     case ZK_MK_U8: {  // code = #midpoints < x / scale (0 where scale == 0), NaN -> 255
       const float scale = zk_c_absmax(x);
       *scale_out = scale;
+      uint8_t* out = static_cast<uint8_t*>(dst);
+      if (scale == 0.0f) {  // y = 0 everywhere: one code
+        const uint8_t c0 = static_cast<uint8_t>(zk_scalar::Q::q8_code(lv, 0.0f));
+        std::memset(out, c0, ZK_QBLOCK);
+        return;
+      }
       const Q::F s = Q::set1f(scale);
+      if (scale <= 3.4028234663852886e38f) {  // finite scale >= |x|: no NaN y (NaN x or inf x make it NaN / inf)
+        for (int i = 0; i < ZK_QBLOCK; i += Q::W) Q::st_u8(out + i, Q::q8_code(lv, Q::div(Q::ldf(x + i), s)));
+        return;
+      }
       for (int i = 0; i < ZK_QBLOCK; i += Q::W) {
-        const Q::F y = scale == 0.0f ? Q::set1f(0.0f) : Q::div(Q::ldf(x + i), s);
-        const Q::I c = Q::q8_code(lv, y);
-        Q::st_u8(static_cast<uint8_t*>(dst) + i, Q::seli(Q::isnan(y), Q::set1i(255), c));
+        const Q::F y = Q::div(Q::ldf(x + i), s);
+        Q::st_u8(out + i, Q::seli(Q::isnan(y), Q::set1i(255), Q::q8_code(lv, y)));
       }
       return;
     }

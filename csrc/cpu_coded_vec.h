@@ -21,6 +21,9 @@ struct alignas(64) ZkLevels {
   float lv[8][128];
   float tab[256];
   float mid[256];
+  // The last three levels by j = code >> 3 (AVX-512): mid[8j+1], mid[8j+5] (level 1) and
+  // mid[8j+0], mid[8j+2], mid[8j+4], mid[8j+6] (level 0), 32 entries each.
+  float tail[6][32];
 };
 }  // namespace
 
@@ -238,21 +241,29 @@ struct Q {
                                 perm128(t.tab + 128, code));
   }
   template <int B>
-  ZK_TGT static inline I q8_level(const ZkLevels& t, I code, F y) {
-    const I k = shr<B + 1>(code);
-    F mid;
-    if (B >= 3) mid = _mm512_permutexvar_ps(k, _mm512_load_ps(t.lv[B]));  // <= 16 entries
-    else if (B == 2) mid = perm32(t.lv[B], k);
-    else if (B == 1) mid = perm64(t.lv[B], k);
-    else mid = perm128(t.lv[B], k);
+  ZK_TGT static inline I q8_level(const ZkLevels& t, I code, F y) {  // levels 5..3: <= 16 entries
+    const F mid = _mm512_permutexvar_ps(shr<B + 1>(code), _mm512_load_ps(t.lv[B]));
     return _mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(mid, y, _CMP_LT_OQ), code, set1i(1u << B));
   }
+  // The same comparisons as the generic search, fewer instructions: level 7 compares with a
+  // broadcast, level 6 blends two broadcasts, levels 2..0 look up by one index j = code >> 3 and
+  // pick their candidates with the masks of the levels above.
   ZK_TGT static inline I q8_code(const ZkLevels& t, F y) {
-    I c = _mm512_setzero_si512();
-    c = q8_level<7>(t, c, y); c = q8_level<6>(t, c, y); c = q8_level<5>(t, c, y);
-    c = q8_level<4>(t, c, y); c = q8_level<3>(t, c, y); c = q8_level<2>(t, c, y);
-    c = q8_level<1>(t, c, y); c = q8_level<0>(t, c, y);
-    return c;
+    const __mmask16 m7 = _mm512_cmp_ps_mask(set1f(t.mid[127]), y, _CMP_LT_OQ);
+    I c = _mm512_maskz_mov_epi32(m7, set1i(128));
+    const F mid6 = _mm512_mask_blend_ps(m7, set1f(t.mid[63]), set1f(t.mid[191]));
+    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(mid6, y, _CMP_LT_OQ), c, set1i(64));
+    c = q8_level<5>(t, c, y); c = q8_level<4>(t, c, y); c = q8_level<3>(t, c, y);
+    const I j = shr<3>(c);
+    const __mmask16 m2 = _mm512_cmp_ps_mask(perm32(t.lv[2], j), y, _CMP_LT_OQ);
+    const F mid1 = _mm512_mask_blend_ps(m2, perm32(t.tail[0], j), perm32(t.tail[1], j));
+    const __mmask16 m1 = _mm512_cmp_ps_mask(mid1, y, _CMP_LT_OQ);
+    const F lo = _mm512_mask_blend_ps(m1, perm32(t.tail[2], j), perm32(t.tail[3], j));
+    const F hi = _mm512_mask_blend_ps(m1, perm32(t.tail[4], j), perm32(t.tail[5], j));
+    const __mmask16 m0 = _mm512_cmp_ps_mask(_mm512_mask_blend_ps(m2, lo, hi), y, _CMP_LT_OQ);
+    c = _mm512_mask_add_epi32(c, m2, c, set1i(4));
+    c = _mm512_mask_add_epi32(c, m1, c, set1i(2));
+    return _mm512_mask_add_epi32(c, m0, c, set1i(1));
   }
 };
 #undef ZK_TGT
