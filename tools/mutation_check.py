@@ -64,6 +64,8 @@ SUITES = {
     "flatten_cpu": ["tests/test_cpu_kernel.py", "-k", "flatten"],
     # the coded-state Triton kernel (interpreted) against codecs.adam_step_coded, bit for bit
     "coded": ["tests/test_adam_coded.py", "-x", "-W", "ignore::RuntimeWarning"],
+    # the C++ coded-state CPU kernel against codecs.adam_step_coded, bit for bit (every SIMD path)
+    "cpu_coded": ["tests/test_cpu_coded.py", "-x"],
     # the per-tensor Triton kernel behind torch.ops.zero_kernels.fused_adam_triton (the traced step)
     "ops_triton": ["tests/test_compile.py", "-k", "triton or operator"],
     # the ZeRO++ wire codec: Triton kernels (interpreted) and the torch encoder, against codecs.encode_q8
@@ -78,6 +80,7 @@ K, MT, REF = "kernels/adam.py", "kernels/_multi_tensor.py", "zero_kernels/refere
 FL, SIMD, CPP = "kernels/flatten.py", "csrc/cpu_adam_simd.h", "csrc/cpu_adam.cpp"
 VEC, CFL = "csrc/cpu_vec.h", "csrc/cpu_flatten.cpp"
 KC, KCA = "kernels/_codecs.py", "kernels/adam_coded.py"
+CCS, CCV = "csrc/cpu_adam_coded_simd.h", "csrc/cpu_coded_vec.h"
 KQ, QWZ = "kernels/quant.py", "zero_kernels/zero/qwz.py"
 FAULTS = [
     # --- eps placement: torch adds eps AFTER the bias-corrected sqrt: sqrt(v)/bc2_sqrt + eps
@@ -244,6 +247,17 @@ FAULTS = [
      "rem = (b - (hi << 16)).to(tl.int32, bitcast=True)", "coded", "remainder tie 0x8000 wraps to -0x8000"),
     ("cod.remainder_truncates", KC, "hi = (b + 0x7FFF + ((b >> 16) & 1)) >> 16", "hi = b >> 16", "coded",
      "bf16 parameter truncated instead of rounded to nearest even"),
+    ("cod.nan_scale_payload", KC, "return tl.where(m > 0x7F800000, 0x7FC00000, m)", "return m", "coded",
+     "NaN block scale keeps the largest payload instead of torch.amax's 0x7FC00000"),
+    # --- the C++ coded-state CPU kernel (csrc/cpu_adam_coded*.h)
+    ("ccod.sr_carry_dropped", CCS, "Q::shr<16>(Q::addi(Q::bi(v), r))", "Q::shr<16>(Q::bi(v))", "cpu_coded",
+     "C++ bf16 moment truncated instead of stochastically rounded"),
+    ("ccod.nan_scale_payload", CCS, "if (u > 0x7F800000u) u = 0x7FC00000u;", "", "cpu_coded",
+     "C++ NaN block scale keeps the largest payload"),
+    ("ccod.f8_scale_480", CCS, "zk_c_absmax(x) / 448.0f", "zk_c_absmax(x) / 480.0f", "cpu_coded",
+     "C++ fp8 block scale from 480 instead of 448"),
+    ("ccod.avx512_level0_swapped", CCV, "perm32(t.tail[4], j), perm32(t.tail[5], j)",
+     "perm32(t.tail[5], j), perm32(t.tail[4], j)", "cpu_coded", "C++ AVX-512 8-bit search: level-0 candidates swapped"),
 
     # --- ZeRO++ wire codec (qwZ / qgZ): the Triton kernels and the torch encoder
     ("wire.decode_accumulate_overwrites", KQ, "y = ld(out_ptr, offs, mask, MASKED) + y", "y = y", "wire",
