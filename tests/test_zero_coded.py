@@ -35,7 +35,8 @@ def _model(seed: int = 0) -> nn.Module:
 
 def _zopt(model, stage, pdt, m, v, rem, **kw):
     return zk.ZeroAdamW(model, stage=stage, param_dtype=pdt, exp_avg_dtype=m, exp_avg_sq_dtype=v,
-                        store_param_remainders=rem, backend="reference", bucket_size=kw.pop("bucket_size", 6000),
+                        store_param_remainders=rem, backend=kw.pop("backend", "reference"),
+                        bucket_size=kw.pop("bucket_size", 6000),
                         **HP, **kw)
 
 
@@ -121,11 +122,11 @@ def _bits_equal(a, b):
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def _step_job(rank, world, stages, formats):
+def _step_job(rank, world, stages, formats, backend="reference"):
     for stage in stages:
         for pdt, m, v, rem in formats:
             model = _model()
-            z = _zopt(model, stage, pdt, m, v, rem)
+            z = _zopt(model, stage, pdt, m, v, rem, backend=backend)
             controls = applicable = 0
             for step in range(1, 4):
                 _loss(model, _batch(rank, step, pdt)).backward()
@@ -162,6 +163,11 @@ def test_slice_step_is_the_codec(world):
     """Every format and stage at world 3 (slices not aligned to parameters); a subset at worlds 1 and 4."""
     stages, formats = ((1, 2, 3), FORMATS) if world == 3 else ((2, 3), FORMATS[::2])
     run_world(_step_job, world, stages, formats, timeout=300)
+
+
+def test_slice_step_is_the_codec_on_the_cpp_kernel():
+    """The C++ CPU kernel (backend="cpu") on the slices: the same bytes, SR offsets and block alignment."""
+    run_world(_step_job, 3, (1, 2, 3), FORMATS, "cpu", timeout=300)
 
 
 # ---------------------------------------------------------------- remainders: the fp32-master trajectory, bit for bit
