@@ -8,7 +8,7 @@ bitsandbytes' and torchao's 8-bit AdamW and torch's fused AdamW, in one process,
 
 Anchors are installed by ``--setup`` only, never as package dependencies:
 ``pip install bitsandbytes==0.50.2 torchao==0.18.0`` (the versions measured in the README). A row whose
-implementation cannot run here (anchor not installed, or the C++ ``cpu`` kernel without coded states)
+implementation cannot run here (anchor not installed, or the C++ extension unavailable)
 prints the reason in place of its numbers.
 
 Workload: one flat parameter of N elements, bf16 gradient in, bf16 parameter out (the mixed-precision
