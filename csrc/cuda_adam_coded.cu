@@ -67,10 +67,6 @@ void* ptr_or_null(const std::vector<at::Tensor>& v, size_t i) {   // optional li
   return v.empty() ? nullptr : v[i].data_ptr();
 }
 
-const float* float_ptr_or_null(const at::Tensor& t) {
-  return t.defined() && t.numel() > 0 ? t.data_ptr<float>() : nullptr;
-}
-
 // One launch per kCodedMaxTensors tensors (or before the grid would overflow int32: 2^31 blocks of
 // 2048 elements, never in practice).
 template <int kMasterKind, int kM, int kV>
@@ -115,25 +111,10 @@ void launch_all(const std::vector<at::Tensor>& masters, const std::vector<at::Te
 void fused_adam_coded_cuda_launch(ZK_CODED_ADAM_ARGS) {
   const size_t T = masters.size();
   if (T == 0) return;
-  // The layout of tensor 0 picks the kernel; every other tensor must share it (the front end groups
-  // by layout). Checked here too, because a mismatch would reinterpret memory.
+  // The layout of tensor 0 picks the kernel: the front end checked that every tensor shares it, that
+  // remainders come with bf16 params16, blockwise moments with their scales, and coeffs / keys / books.
   const bool remainder = masters[0].scalar_type() == at::kShort;
   const int m_kind = moment_kind(exp_avgs[0].scalar_type()), v_kind = moment_kind(exp_avg_sqs[0].scalar_type());
-  for (size_t i = 0; i < T; ++i) {
-    TORCH_CHECK(masters[i].scalar_type() == masters[0].scalar_type() &&
-                    grads[i].scalar_type() == grads[0].scalar_type() &&
-                    exp_avgs[i].scalar_type() == exp_avgs[0].scalar_type() &&
-                    exp_avg_sqs[i].scalar_type() == exp_avg_sqs[0].scalar_type() &&
-                    (params16.empty() || params16[i].scalar_type() == params16[0].scalar_type()),
-                "fused_adam_coded_cuda: tensor ", i, " has another layout than tensor 0 (one layout per call)");
-  }
-  TORCH_CHECK(!remainder || !params16.empty(), "fused_adam_coded_cuda: int16 remainders need the bf16 params16");
-  TORCH_CHECK((m_kind < kMomU8 || exp_avg_scales.size() == T) && (v_kind < kMomU8 || exp_avg_sq_scales.size() == T),
-              "fused_adam_coded_cuda: uint8 / float8_e4m3fn moments need their block scales");
-  TORCH_CHECK(coeffs.is_cuda() && coeffs.scalar_type() == at::kFloat && coeffs.is_contiguous() &&
-                  coeffs.numel() == 3 * static_cast<int64_t>(T) && keys.is_cuda() &&
-                  keys.scalar_type() == at::kLong && keys.is_contiguous() && keys.numel() == 3 * static_cast<int64_t>(T),
-              "fused_adam_coded_cuda: coeffs (fp32) and keys (int64) must be contiguous CUDA tensors of shape [T, 3]");
   const c10::cuda::CUDAGuard guard(masters[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(masters[0].device().index()).stream();
 
@@ -153,15 +134,12 @@ void fused_adam_coded_cuda_launch(ZK_CODED_ADAM_ARGS) {
   a.maximize = maximize;
   a.has_grad_scale = grad_scale.has_value();
   s.keys = keys.data_ptr<int64_t>();
-  s.m_table = float_ptr_or_null(m_table);
-  s.m_mid = float_ptr_or_null(m_mid);
-  s.v_table = float_ptr_or_null(v_table);
-  s.v_mid = float_ptr_or_null(v_mid);
-  TORCH_CHECK((m_kind != kMomU8 || (s.m_table && s.m_mid)) && (v_kind != kMomU8 || (s.v_table && s.v_mid)),
-              "fused_adam_coded_cuda: uint8 moments need their code book and midpoints");
+  s.m_table = m_table.data_ptr<float>();
+  s.m_mid = m_mid.data_ptr<float>();
+  s.v_table = v_table.data_ptr<float>();
+  s.v_mid = v_mid.data_ptr<float>();
   s.grad_dtype = dtype16(grads[0].scalar_type(), true, "gradient");
   s.p16_dtype = params16.empty() ? kNone : dtype16(params16[0].scalar_type(), false, "16-bit parameter");
-  TORCH_CHECK(!remainder || s.p16_dtype == kBF16, "fused_adam_coded_cuda: int16 remainders need bf16 parameters");
 
   dispatch_int<2>(remainder ? kMasterRemainder : kMasterF32, [&](auto mk) {
     dispatch_int<4>(m_kind, [&](auto mm) {

@@ -181,6 +181,8 @@ def _remainder_job(rank, world):
                 _loss(model, _batch(rank, step, BF)).backward()
                 z.step()
                 z.zero_grad()
+            # not vacuous: the second run keeps no fp32 master, only the int16 remainder
+            assert all((b.remainder is not None and b.master is None) == rem for b in z.buckets)
             full = z.full_model_state_dict()
             with z.gathered():
                 params = [p.detach().clone() for p in model.parameters()]
@@ -233,6 +235,7 @@ def _quality_job(rank, world):
             loss.backward()
             z.step()
             z.zero_grad()
+        assert all(b.optim.exp_avg.dtype == fmt[0] and (b.remainder is not None) == fmt[2] for b in z.buckets)
         x = _batch(99, 0, F32)
         with torch.no_grad():
             losses[fmt] = float((model(x.bfloat16()).float() - x @ w).pow(2).mean())

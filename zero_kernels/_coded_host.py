@@ -97,7 +97,7 @@ _BOOKS: dict = {}
 def books(device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(m table, m midpoints, v table, v midpoints) of the default code books on ``device``, uploaded once."""
     if device not in _BOOKS:
-        m, v = codecs.CODE_BOOKS[codecs.M_CODE], codecs.CODE_BOOKS[codecs.V_CODE]
+        m, v = codecs.TABLES["exp_avg"], codecs.TABLES["exp_avg_sq"]
         _BOOKS[device] = tuple(t.to(device) for t in (m, codecs.midpoints(m), v, codecs.midpoints(v)))
     return _BOOKS[device]
 

@@ -364,7 +364,8 @@ class Shards:
         or decoded from codes + block scales / bf16 / bf16 params16 + master_remainder ([Note: coded ZeRO
         states] in zero/coded.py). Decoded slices of one (rank, bucket) are kept until another is asked for."""
         name = f"b{bucket}.{key}"
-        if (name in self._file(rank)[0]) if key == "master" else self.get(rank, name).dtype == torch.float32:
+        stored_fp32 = name in self._file(rank)[0] if key == "master" else self.get(rank, name).dtype == torch.float32
+        if stored_fp32:
             return self.get(rank, name)
         ck = (rank, bucket, key)
         if ck not in self.decoded:

@@ -42,10 +42,10 @@ from torch import Tensor
 
 from . import _coded_host, backends, codecs
 from ._launch_plan import local
-from .hparams import StateFormat, scalar_lr
+from .hparams import StateFormat, as_float, scalar_lr
 
 __all__ = ["new_state", "state_problem", "convert_state", "convert_state_dict", "is_coded_state", "resolve_backend",
-           "coded_work", "step_coded", "run_coded"]
+           "coded_work", "step_coded", "run_coded", "group_hparams"]
 
 _TABLES = codecs.TABLES
 _STREAM = {"exp_avg": 0, "exp_avg_sq": 1}
@@ -238,12 +238,16 @@ def step_coded(backend: str, params: list[Tensor], states: list[dict[str, Tensor
     device = params[0].device
     gs = None if grad_scale is None else grad_scale.to(device, torch.float32).reshape(1).reciprocal()
     fi = None if found_inf is None else found_inf.to(device, torch.float32).reshape(1)
-    beta1, beta2 = (float(b) for b in group["betas"])
-    hp = dict(lr=scalar_lr(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
-              weight_decay=float(group["weight_decay"]), adamw=bool(group["decoupled_weight_decay"]),
-              maximize=bool(group["maximize"]))
-    run_coded(backend, [p.detach() for p in params], [local(p.grad) for p in params], states, seeds, None, hp,
-              grad_scale=gs, found_inf=fi)
+    run_coded(backend, [p.detach() for p in params], [local(p.grad) for p in params], states, seeds, None,
+              group_hparams(group, bool(group["decoupled_weight_decay"])), grad_scale=gs, found_inf=fi)
+
+
+def group_hparams(group: dict[str, Any], adamw: bool) -> dict[str, Any]:
+    """The keyword arguments of :func:`run_coded` ``hp`` from a param group (lr, betas, eps, weight_decay,
+    maximize) and Adam (L2) vs AdamW (decoupled)."""
+    beta1, beta2 = (as_float(b) for b in group["betas"])
+    return dict(lr=scalar_lr(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]), adamw=adamw, maximize=bool(group["maximize"]))
 
 
 def run_coded(backend: str, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]],

@@ -8,11 +8,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .. import backends
+from .. import backends, optim_coded
 from ..layout import Layout, ParamInfo, build_layout, dtype_name
 from . import collectives as C
 from .agreement import check_same_everywhere, join_barrier, signature
-from .coded import coded_backend, format_error
+from .coded import format_error
 from .config import ZeroConfig
 from .mesh import ZeroMesh, broadcast_from_first
 from .params import HPARAM_KEYS, ModelParams, model_error, plain, read_model, resolve_groups
@@ -54,7 +54,7 @@ def plan(model: nn.Module, cfg: ZeroConfig, defaults: dict, param_groups, mesh: 
     if error is None:
         try:
             backend = backends.resolve(cfg.backend, device)
-            coded = coded_backend(cfg.backend, device) if cfg.state_format.coded else None
+            coded = optim_coded.resolve_backend(cfg.backend, device) if cfg.state_format.coded else None
         except (ValueError, NotImplementedError) as e:
             error = str(e)
     hp = [[plain({**defaults, **g}[k]) for k in HPARAM_KEYS] for g in groups]

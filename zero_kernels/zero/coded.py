@@ -27,17 +27,16 @@ slice's ``shard_numel`` elements:
 """
 from __future__ import annotations
 
-import warnings
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from .. import codecs, optim_coded
-from ..hparams import StateFormat, as_float, scalar_lr
+from ..hparams import StateFormat
 
 __all__ = ["format_error", "new_moments", "remainder_of", "join_master", "decode_slice", "encode_slice",
-           "saved_problem", "decode_saved", "step_coded_slice", "step_decoded_slice", "coded_backend", "MOMENT_KEYS"]
+           "saved_problem", "decode_saved", "step_coded_slice", "step_decoded_slice", "MOMENT_KEYS"]
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 _TABLES = codecs.TABLES
@@ -116,46 +115,26 @@ def saved_problem(st: dict, numel: int, amsgrad: bool) -> str | None:
 
 def decode_saved(st: dict, amsgrad: bool) -> dict[str, Tensor]:
     """A checked saved slice (:func:`saved_problem`) as fp32 ``master``, ``exp_avg``, ``exp_avg_sq``
-    (and ``max_exp_avg_sq`` with amsgrad: zeros when the slice has none)."""
+    (and ``max_exp_avg_sq`` with amsgrad)."""
     master = st["master"].float() if "master" in st else codecs.join_remainder(st["params16"], st["master_remainder"])
-    out = {"master": master, **decode_slice(st)}
-    if amsgrad:
-        out["max_exp_avg_sq"] = st["max_exp_avg_sq"].float() if "max_exp_avg_sq" in st else \
-            torch.zeros_like(out["exp_avg"])
-    return out
+    return {"master": master, **decode_slice(st), **({"max_exp_avg_sq": st["max_exp_avg_sq"].float()} if amsgrad else {})}
 
 
-_WARNED: set = set()
-
-
-def coded_backend(request: str, device: torch.device) -> str:
-    """The backend that runs coded slices on ``device`` (optim_coded.resolve_backend's rule, warned once)."""
-    key = (request, str(device))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        name = optim_coded.resolve_backend(request, device)
-    if key not in _WARNED:
-        _WARNED.add(key)
-        for w in caught:
-            warnings.warn(w.message, w.category, stacklevel=3)
-    return name
-
-
-def step_coded_slice(b, group: dict, step: int, scale: Tensor, backend: str, adamw: bool) -> None:
-    """One coded step of bucket ``b``'s whole slice (every piece active with step count ``step``)."""
-    beta1, beta2 = (as_float(x) for x in group["betas"])
-    hp = dict(lr=scalar_lr(group["lr"]), beta1=beta1, beta2=beta2, eps=float(group["eps"]),
-              weight_decay=float(group["weight_decay"]), adamw=adamw, maximize=bool(group["maximize"]))
-    st = dict(b.optim.tensors)
+def step_coded_slice(b, n: int, group: dict, step: int, scale: Tensor, backend: str, adamw: bool) -> None:
+    """One coded step of the first ``n`` elements of bucket ``b``'s slice: all its parameter pieces, every one
+    active with step count ``step``. The padding after them is not touched (its blocks start at a multiple
+    of 256, so the blocks of the pieces are the slice's own)."""
+    nb = -(-n // codecs.BLOCK)
+    st = {k: t[:nb] if k.endswith("_scale") else t[:n] for k, t in b.optim.tensors.items()}
     st["step"] = torch.full((), float(step - 1), dtype=torch.float32, device=b.device)
     if b.remainder is not None:
-        st["master_remainder"], param = b.remainder, b.owned_params
+        st["master_remainder"], param = b.remainder[:n], b.owned_params[:n]
     elif b.master_is_param:
-        param = b.master
+        param = b.master[:n]
     else:
-        st["master_param"], param = b.master, b.owned_params
-    optim_coded.run_coded(backend, [param], [b.reduce.grad_slice], [st], [b.index], [b.slice_start], hp,
-                          grad_scale=scale, found_inf=None)
+        st["master_param"], param = b.master[:n], b.owned_params[:n]
+    optim_coded.run_coded(backend, [param], [b.reduce.grad_slice[:n]], [st], [b.index], [b.slice_start],
+                          optim_coded.group_hparams(group, adamw), grad_scale=scale, found_inf=None)
 
 
 def step_decoded_slice(b, runs: list[tuple[int, int, int]], fused_step, step: int) -> None:

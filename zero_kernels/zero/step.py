@@ -58,9 +58,9 @@ def step_bucket(b: FlatBucket, group: dict, active: Tensor, steps: Sequence[int]
     if not runs:
         return
     if b.optim.coded or b.remainder is not None:
-        if len(runs) == 1 and runs[0][:2] == (0, b.pieces[-1].start + b.pieces[-1].numel) \
-                and len({steps[pc.param] for pc in b.pieces}) == 1:
-            step_coded_slice(b, group, runs[0][2], scale, coded_backend, adamw)
+        data_end = b.pieces[-1].start + b.pieces[-1].numel
+        if len(runs) == 1 and runs[0][:2] == (0, data_end):        # every piece active, one step count
+            step_coded_slice(b, data_end, group, runs[0][2], scale, coded_backend, adamw)
         else:
             step_decoded_slice(b, lambda m, ea, eas, p16: _fused_runs(runs, group, m, b.reduce.grad_slice, ea, eas,
                                                                    None, p16, scale, fused, adamw, device),
