@@ -13,6 +13,8 @@
 //   stream_ceiling(a, b, c, d)               a += d; b += d; c += d  (bandwidth ceiling)
 //   flatten_cpu(srcs, dst, offsets, scale=1.0) / unflatten_cpu(src, dsts, offsets)
 //                                            bucket copies, see csrc/cpu_flatten.cpp
+//   q8_encode_cpu(x, mid, codes, scales) / q8_decode_cpu(codes, scales, table, out, accumulate)
+//                                            the ZeRO++ int8 wire codec, see csrc/cpu_quant.cpp
 //   set_cpu_nt(nt16, nt32)                   tuning knob: non-temporal stores
 //   cpu_isa()                                "avx512" | "avx2" | "scalar"
 // Empty lists stand for None (max_exp_avg_sqs without amsgrad, params16 without a 16-bit copy).
@@ -310,6 +312,49 @@ void unflatten_cpu(const at::Tensor& src, const std::vector<at::Tensor>& dsts,
   unflatten_cpu_launch(src, dsts, offsets);
 }
 
+// One tensor argument of the wire codec: defined, on the CPU, contiguous, of dtype `want` (or any of
+// fp32 / bf16 / fp16 when `want` is Undefined) and of `numel` elements.
+void check_wire(const at::Tensor& t, const char* fn, const char* what, at::ScalarType want, int64_t numel,
+                const char* numel_why) {
+  TORCH_CHECK(t.defined(), fn, ": ", what, " is undefined");
+  TORCH_CHECK(t.device().is_cpu(), fn, ": ", what, " is on ", t.device(), "; this codec needs CPU tensors");
+  if (want == at::ScalarType::Undefined) {
+    TORCH_CHECK(is_flat_dtype(t.scalar_type()), fn, ": ", what,
+                " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  } else {
+    TORCH_CHECK(t.scalar_type() == want, fn, ": ", what, " has dtype ", t.scalar_type(), "; expected ", want);
+  }
+  TORCH_CHECK(t.is_contiguous(), fn, ": ", what, " is not contiguous (strides ", t.strides(),
+              "); pass a .contiguous() tensor");
+  TORCH_CHECK(t.numel() == numel, fn, ": ", what, " has ", t.numel(), " elements; expected ", numel, " (",
+              numel_why, ")");
+}
+
+int64_t wire_blocks(int64_t n) { return (n + 255) / 256; }
+
+void q8_encode_cpu(const at::Tensor& x, const at::Tensor& mid, at::Tensor codes, at::Tensor scales) {
+  const char* fn = "q8_encode_cpu";
+  TORCH_CHECK(x.defined(), fn, ": x is undefined");
+  const int64_t n = x.numel();
+  check_wire(x, fn, "x", at::ScalarType::Undefined, n, "the input");
+  check_wire(mid, fn, "mid", at::kFloat, 255, "the code book's 255 midpoints");
+  check_wire(codes, fn, "codes", at::kByte, n, "one code per element of x");
+  check_wire(scales, fn, "scales", at::kFloat, wire_blocks(n), "one scale per 256-element block of x");
+  q8_encode_cpu_launch(x, mid, codes, scales);
+}
+
+void q8_decode_cpu(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& table, at::Tensor out,
+                   bool accumulate) {
+  const char* fn = "q8_decode_cpu";
+  TORCH_CHECK(codes.defined(), fn, ": codes is undefined");
+  const int64_t n = codes.numel();
+  check_wire(codes, fn, "codes", at::kByte, n, "the input");
+  check_wire(scales, fn, "scales", at::kFloat, wire_blocks(n), "one scale per 256-element block of codes");
+  check_wire(table, fn, "table", at::kFloat, 256, "the code book's 256 values");
+  check_wire(out, fn, "out", at::kFloat, n, "one value per code");
+  q8_decode_cpu_launch(codes, scales, table, out, accumulate);
+}
+
 at::Tensor cached_empty(int64_t numel, at::ScalarType dtype) {
   TORCH_CHECK(numel >= 0, "cached_empty: numel must be >= 0, got ", numel);
   return zk_cached_empty(numel, dtype);
@@ -380,6 +425,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unflatten_cpu", &unflatten_cpu,
         "dsts[i] = cast(src[off_i : off_i + n_i]), one parallel pass (ZeRO buckets)",
         py::arg("src"), py::arg("dsts"), py::arg("offsets"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("q8_encode_cpu", &q8_encode_cpu,
+        "ZeRO++ int8 wire encode (csrc/cpu_quant.cpp): codes[i] = number of the 255 midpoints `mid` "
+        "strictly below x[i] / scale of its 256-element block (max |x|), written to codes / scales; "
+        "codecs.encode_q8's bits",
+        py::arg("x"), py::arg("mid"), py::arg("codes"), py::arg("scales"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("q8_decode_cpu", &q8_decode_cpu,
+        "ZeRO++ int8 wire decode (csrc/cpu_quant.cpp): out = table[codes] * the block's scale "
+        "(codecs.decode_q8's bits), or out += it with accumulate=True",
+        py::arg("codes"), py::arg("scales"), py::arg("table"), py::arg("out"), py::arg("accumulate") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("cached_empty", &cached_empty,
         "1-D CPU tensor whose resizable storage allocates from the gather cache "

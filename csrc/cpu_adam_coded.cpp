@@ -17,7 +17,6 @@
 
 namespace {
 
-constexpr int ZK_QBLOCK = 256;                                         // codecs.BLOCK
 constexpr int ZK_MK_F32 = 0, ZK_MK_BF16 = 1, ZK_MK_U8 = 2, ZK_MK_F8 = 3;  // moment kinds
 constexpr int ZK_MASTER_F32 = 0, ZK_MASTER_REM = 1;                    // master kinds
 
@@ -151,23 +150,6 @@ int zk_moment_kind(const at::Tensor& t) {
   }
 }
 
-// Binary-search level tables of a code book (see ZkLevels).
-void zk_build_levels(const at::Tensor& table, const at::Tensor& mid, ZkLevels& out) {
-  std::memset(&out, 0, sizeof out);
-  const float* tab = table.data_ptr<float>();
-  const float* md = mid.data_ptr<float>();
-  std::memcpy(out.tab, tab, 256 * sizeof(float));
-  std::memcpy(out.mid, md, 255 * sizeof(float));
-  for (int b = 0; b < 8; ++b)
-    for (int k = 0; k < (1 << (7 - b)); ++k) out.lv[b][k] = md[k * (2 << b) + (1 << b) - 1];
-  for (int j = 0; j < 32; ++j) {
-    const int base = 8 * j, offs[6] = {1, 5, 0, 2, 4, 6};
-    for (int r = 0; r < 6; ++r) out.tail[r][j] = md[base + offs[r]];
-  }
-}
-
-constexpr int64_t ZK_GRAIN_BLOCKS = 128;  // 32K elements: below this, one thread
-
 }  // namespace
 
 void fused_adam_coded_cpu_launch(ZK_CODED_ADAM_ARGS) {
@@ -176,8 +158,8 @@ void fused_adam_coded_cpu_launch(ZK_CODED_ADAM_ARGS) {
   if (found_inf.has_value() && found_inf->data_ptr<float>()[0] != 0.0f) return;
 
   ZkLevels m_lv, v_lv;
-  zk_build_levels(m_table, m_mid, m_lv);
-  zk_build_levels(v_table, v_mid, v_lv);
+  zk_build_levels(m_table.data_ptr<float>(), m_mid.data_ptr<float>(), m_lv);
+  zk_build_levels(v_table.data_ptr<float>(), v_mid.data_ptr<float>(), v_lv);
   ZkCCall c;
   c.h.gscale = grad_scale.has_value() ? grad_scale->data_ptr<float>()[0] : 1.0f;
   c.h.maximize = maximize;

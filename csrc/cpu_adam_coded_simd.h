@@ -14,6 +14,8 @@
 #error "define ZK_TGT before including cpu_adam_coded_simd.h"
 #endif
 
+#include "cpu_q8_simd.h"  // zk_q8_absmax / zk_q8_encode / zk_q8_decode (the 8-bit blockwise codec)
+
 // fp32 <- stored moment (kind ZK_MK_*), 256 elements.
 ZK_TGT static inline void zk_c_decode(int kind, const void* src, float scale, const ZkLevels& lv,
                                       float* out) {
@@ -25,12 +27,9 @@ ZK_TGT static inline void zk_c_decode(int kind, const void* src, float scale, co
       for (int i = 0; i < ZK_QBLOCK; i += Q::W)
         Q::stf(out + i, Q::bf(Q::shl<16>(Q::ld_u16(static_cast<const uint16_t*>(src) + i))));
       return;
-    case ZK_MK_U8: {  // table[code] * scale
-      const Q::F s = Q::set1f(scale);
-      for (int i = 0; i < ZK_QBLOCK; i += Q::W)
-        Q::stf(out + i, Q::mul(Q::lookup256(lv, Q::ld_u8(static_cast<const uint8_t*>(src) + i)), s));
+    case ZK_MK_U8:  // table[code] * scale
+      zk_q8_decode<false>(static_cast<const uint8_t*>(src), scale, lv, out);
       return;
-    }
     default: {  // float8_e4m3fn: torch's exact conversion (NaN codes 0x7F/0xFF -> 0x7FF00000 | sign), * scale
       const Q::F s = Q::set1f(scale);
       for (int i = 0; i < ZK_QBLOCK; i += Q::W) {
@@ -50,19 +49,6 @@ ZK_TGT static inline void zk_c_decode(int kind, const void* src, float scale, co
       return;
     }
   }
-}
-
-// Block absmax on the bits: |x| as int32 orders like the floats, every NaN above +inf; a NaN
-// result is torch.amax's canonical 0x7FC00000 whatever the NaNs' payloads (a decoded fp8 NaN is
-// 0x7FF00000).
-ZK_TGT static inline float zk_c_absmax(const float* x) {
-  Q::I acc = Q::set1i(0);
-  for (int i = 0; i < ZK_QBLOCK; i += Q::W) acc = Q::maxi(acc, Q::andi(Q::bi(Q::ldf(x + i)), Q::set1i(0x7FFFFFFF)));
-  uint32_t u = Q::hmaxi(acc);
-  if (u > 0x7F800000u) u = 0x7FC00000u;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
 }
 
 ZK_TGT static inline Q::I zk_c_fmix32(Q::I h) {
@@ -92,28 +78,11 @@ ZK_TGT static inline void zk_c_encode(int kind, const float* x, void* dst, float
       }
       return;
     }
-    case ZK_MK_U8: {  // code = #midpoints < x / scale (0 where scale == 0), NaN -> 255
-      const float scale = zk_c_absmax(x);
-      *scale_out = scale;
-      uint8_t* out = static_cast<uint8_t*>(dst);
-      if (scale == 0.0f) {  // y = 0 everywhere: one code
-        const uint8_t c0 = static_cast<uint8_t>(zk_scalar::Q::q8_code(lv, 0.0f));
-        std::memset(out, c0, ZK_QBLOCK);
-        return;
-      }
-      const Q::F s = Q::set1f(scale);
-      if (scale <= 3.4028234663852886e38f) {  // finite scale >= |x|: no NaN y (NaN x or inf x make it NaN / inf)
-        for (int i = 0; i < ZK_QBLOCK; i += Q::W) Q::st_u8(out + i, Q::q8_code(lv, Q::div(Q::ldf(x + i), s)));
-        return;
-      }
-      for (int i = 0; i < ZK_QBLOCK; i += Q::W) {
-        const Q::F y = Q::div(Q::ldf(x + i), s);
-        Q::st_u8(out + i, Q::seli(Q::isnan(y), Q::set1i(255), Q::q8_code(lv, y)));
-      }
+    case ZK_MK_U8:  // code = #midpoints < x / scale (0 where scale == 0), NaN -> 255
+      zk_q8_encode(x, static_cast<uint8_t*>(dst), scale_out, lv);
       return;
-    }
     default: {  // float8_e4m3fn of x / (absmax / 448): torch's RNE cast on the bits (kernels/_codecs.py)
-      const float scale = zk_c_absmax(x) / 448.0f;
+      const float scale = zk_q8_absmax(x) / 448.0f;
       *scale_out = scale;
       const Q::F s = Q::set1f(scale);
       for (int i = 0; i < ZK_QBLOCK; i += Q::W) {

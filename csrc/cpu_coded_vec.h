@@ -1,4 +1,5 @@
-// Integer/float vector primitives for the coded-state CPU kernel (csrc/cpu_adam_coded.cpp): one
+// Integer/float vector primitives for the coded-state CPU kernel (csrc/cpu_adam_coded.cpp) and the
+// ZeRO++ wire codec (csrc/cpu_quant.cpp): one
 // struct `Q` per SIMD path (zk_scalar, zk_avx2, zk_avx512, inside the namespaces of cpu_vec.h), so
 // the codecs of zero_kernels/codecs.py ([Note: state codecs]) are written once, generically, in
 // csrc/cpu_adam_coded_simd.h. Every primitive is exact (integer ops, IEEE fp32 ops, bit casts), so
@@ -14,6 +15,9 @@
 #include "cpu_vec.h"
 
 namespace {
+constexpr int ZK_QBLOCK = 256;            // codecs.BLOCK: elements per quantization block
+constexpr int64_t ZK_GRAIN_BLOCKS = 128;  // 32K elements: below this, one thread
+
 // Binary-search tables of one code book: level b (step 2^b, b = 7..0) reads
 // mid[k * 2^(b+1) + 2^b - 1] for k = code >> (b+1) < 2^(7-b); lv[b] holds those entries in k order
 // (zero-padded to 16). tab is the code book itself (decode), mid its 255 midpoints (+ one pad).
@@ -25,6 +29,20 @@ struct alignas(64) ZkLevels {
   // mid[8j+0], mid[8j+2], mid[8j+4], mid[8j+6] (level 0), 32 entries each.
   float tail[6][32];
 };
+
+// The tables of a code book: `tab` its 256 fp32 values (nullptr: an encoder's, left zero), `md` its
+// 255 fp32 midpoints.
+inline void zk_build_levels(const float* tab, const float* md, ZkLevels& out) {
+  std::memset(&out, 0, sizeof out);
+  if (tab != nullptr) std::memcpy(out.tab, tab, 256 * sizeof(float));
+  std::memcpy(out.mid, md, 255 * sizeof(float));
+  for (int b = 0; b < 8; ++b)
+    for (int k = 0; k < (1 << (7 - b)); ++k) out.lv[b][k] = md[k * (2 << b) + (1 << b) - 1];
+  for (int j = 0; j < 32; ++j) {
+    const int base = 8 * j, offs[6] = {1, 5, 0, 2, 4, 6};
+    for (int r = 0; r < 6; ++r) out.tail[r][j] = md[base + offs[r]];
+  }
+}
 }  // namespace
 
 // ============================================================================ portable scalar

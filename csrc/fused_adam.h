@@ -73,6 +73,17 @@ void fused_adam_coded_cpu_launch(ZK_CODED_ADAM_ARGS);      // csrc/cpu_adam_code
 void fused_adam_coded_cuda_launch(ZK_CODED_ADAM_ARGS);     // csrc/cuda_adam_coded.cu
 #endif
 
+// ZeRO++ int8 wire codec (csrc/cpu_quant.cpp): codecs.encode_q8 / decode_q8 bit for bit, blocks of
+// 256 from element 0. Checked by the front end (q8_encode_cpu / q8_decode_cpu):
+//   encode: x contiguous fp32 | bf16 | fp16 [n]; mid fp32 [255] (the code book's midpoints);
+//           codes uint8 [n] and scales fp32 [ceil(n / 256)] contiguous, written.
+//   decode: codes uint8 [n], scales fp32 [ceil(n / 256)], table fp32 [256]; out fp32 [n] contiguous:
+//           out = table[code] * scale, or out += it with accumulate.
+//   Every tensor on the CPU.
+void q8_encode_cpu_launch(const at::Tensor& x, const at::Tensor& mid, at::Tensor& codes, at::Tensor& scales);
+void q8_decode_cpu_launch(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& table,
+                          at::Tensor& out, bool accumulate);
+
 // CPU helpers (csrc/cpu_adam.cpp).
 // Which SIMD path the CPU kernel uses: "avx512", "avx2" or "scalar" (see zk_cpu_isa()).
 const char* zk_cpu_isa();

@@ -179,11 +179,12 @@ def test_qwz_gather_world2():
     run_world(_gather_cases, 2, timeout=300)
 
 
-def _wire_kernel_cases(rank, world):
-    """The same checks with the Triton wire codec kernels (kernels/quant.py, interpreted) encoding and
-    decoding: the same bits as the torch path (the checks compare with the codec reference)."""
+def _wire_kernel_cases(rank, world, backend):
+    """The same checks with each wire codec forced: the Triton kernels (kernels/quant.py, interpreted),
+    the C++ codec (csrc/cpu_quant.cpp) and the torch ops; all compare with the codec reference, so
+    they give the same bits. (The other tests here run "auto": the C++ codec on CPU tensors.)"""
     from zero_kernels.zero import qwz
-    qwz.WIRE_BACKEND = "triton"
+    qwz.WIRE_BACKEND = backend
     try:
         _gather_cases(rank, world)
         _rs_cases(rank, world)
@@ -192,8 +193,9 @@ def _wire_kernel_cases(rank, world):
         qwz.WIRE_BACKEND = "auto"
 
 
-def test_wire_kernels_in_the_collectives_world2():
-    run_world(_wire_kernel_cases, 2, timeout=300)
+@pytest.mark.parametrize("backend", ["triton", "cpu", "torch"])
+def test_wire_kernels_in_the_collectives_world2(backend):
+    run_world(_wire_kernel_cases, 2, backend, timeout=300)
 
 
 def test_qwz_gather_world3():

@@ -71,6 +71,8 @@ SUITES = {
     # the ZeRO++ wire codec: Triton kernels (interpreted) and the torch encoder, against codecs.encode_q8
     "wire": ["tests/test_quant_kernels.py", "tests/test_zeropp.py::test_encode_wire_equals_codec_bit_for_bit",
              "-W", "ignore::RuntimeWarning"],
+    # the C++ wire codec (csrc/cpu_quant.cpp) against codecs.encode_q8 / decode_q8 (every SIMD path)
+    "wire_cpu": ["tests/test_wire_cpu.py", "-x"],
 }
 
 # ----------------------------------------------------------------------------------------- faults
@@ -80,7 +82,8 @@ K, MT, REF = "kernels/adam.py", "kernels/_multi_tensor.py", "zero_kernels/refere
 FL, SIMD, CPP = "kernels/flatten.py", "csrc/cpu_adam_simd.h", "csrc/cpu_adam.cpp"
 VEC, CFL = "csrc/cpu_vec.h", "csrc/cpu_flatten.cpp"
 KC, KCA = "kernels/_codecs.py", "kernels/adam_coded.py"
-CCS, CCV = "csrc/cpu_adam_coded_simd.h", "csrc/cpu_coded_vec.h"
+CCS, CCV, CQ8 = "csrc/cpu_adam_coded_simd.h", "csrc/cpu_coded_vec.h", "csrc/cpu_q8_simd.h"
+CWQ = "csrc/cpu_quant.cpp"
 KQ, QWZ = "kernels/quant.py", "zero_kernels/zero/qwz.py"
 FAULTS = [
     # --- eps placement: torch adds eps AFTER the bias-corrected sqrt: sqrt(v)/bc2_sqrt + eps
@@ -252,9 +255,9 @@ FAULTS = [
     # --- the C++ coded-state CPU kernel (csrc/cpu_adam_coded*.h)
     ("ccod.sr_carry_dropped", CCS, "Q::shr<16>(Q::addi(Q::bi(v), r))", "Q::shr<16>(Q::bi(v))", "cpu_coded",
      "C++ bf16 moment truncated instead of stochastically rounded"),
-    ("ccod.nan_scale_payload", CCS, "if (u > 0x7F800000u) u = 0x7FC00000u;", "", "cpu_coded",
+    ("ccod.nan_scale_payload", CQ8, "if (u > 0x7F800000u) u = 0x7FC00000u;", "", "cpu_coded",
      "C++ NaN block scale keeps the largest payload"),
-    ("ccod.f8_scale_480", CCS, "zk_c_absmax(x) / 448.0f", "zk_c_absmax(x) / 480.0f", "cpu_coded",
+    ("ccod.f8_scale_480", CCS, "zk_q8_absmax(x) / 448.0f", "zk_q8_absmax(x) / 480.0f", "cpu_coded",
      "C++ fp8 block scale from 480 instead of 448"),
     ("ccod.avx512_level0_swapped", CCV, "perm32(t.tail[4], j), perm32(t.tail[5], j)",
      "perm32(t.tail[5], j), perm32(t.tail[4], j)", "cpu_coded", "C++ AVX-512 8-bit search: level-0 candidates swapped"),
@@ -270,6 +273,15 @@ FAULTS = [
      "torch encoder: a value on a midpoint takes the upper code"),
     ("wire.torch_nan_code", QWZ, ".nan_to_num_(255.0)", ".nan_to_num_(0.0)", "wire",
      "torch encoder: NaN coded 0 instead of 255"),
+    # --- the C++ wire codec (csrc/cpu_quant.cpp over the shared block codec csrc/cpu_q8_simd.h)
+    ("cwire.nan_code", CQ8, "Q::seli(Q::isnan(y), Q::set1i(255), Q::q8_code(lv, y))", "Q::q8_code(lv, y)",
+     "wire_cpu", "C++ encoder: NaN coded 0 instead of 255"),
+    ("cwire.accumulate_overwrites", CQ8, "ACC ? Q::add(Q::ldf(out + i), x) : x", "x", "wire_cpu",
+     "C++ decode-accumulate overwrites instead of adding"),
+    ("cwire.partial_padding", CWQ, "if (n < ZK_QBLOCK) std::memset(buf, 0, sizeof(float) * ZK_QBLOCK);", "",
+     "wire_cpu", "C++ encoder: a partial block's padding is not zeroed (stale values enter its scale)"),
+    ("cwire.bf16_widen", CWQ, "buf[i] = XT == ZK_BF16 ? zk_bf16_to_f32(p[i])", "buf[i] = XT == ZK_BF16 ? 0.0f",
+     "wire_cpu", "C++ encoder: bf16 tail elements read as zero"),
 ]
 
 

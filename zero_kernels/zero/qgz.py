@@ -41,8 +41,12 @@ __all__ = ["quantized_reduce_scatter", "quantized_average_reference", "quantized
 
 def _encode_slices(flat: Tensor, n: int, table: Tensor) -> tuple[Tensor, Tensor]:
     sn = flat.numel() // n
-    pairs = [wire_encode(flat[j * sn:(j + 1) * sn], table) for j in range(n)]
-    return torch.cat([c for c, _ in pairs]), torch.cat([s for _, s in pairs])
+    nb = -(-sn // BLOCK)
+    codes = torch.empty(n * sn, dtype=torch.uint8, device=flat.device)
+    scales = torch.empty(n * nb, dtype=torch.float32, device=flat.device)
+    for j in range(n):
+        wire_encode(flat[j * sn:(j + 1) * sn], table, out=(codes[j * sn:(j + 1) * sn], scales[j * nb:(j + 1) * nb]))
+    return codes, scales
 
 
 def _accumulate(own: Tensor, codes: Tensor, scales: Tensor, rank: int, n: int, table: Tensor) -> Tensor:

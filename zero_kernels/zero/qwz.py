@@ -15,26 +15,70 @@ shards (``decode_q8``, then one cast to the parameter dtype) and keeps its own s
 The codes and scales travel as two all-gathers of the collectives module (their own tags), waited for
 as one handle; the decode runs in the handle's finalize. Stages 1-2 keep exact parameter all-gathers:
 their gathered parameters persist across steps, so a quantized copy would drift from its owner's.
+Who computes the codes is ``WIRE_BACKEND`` below: the Triton kernels of kernels/quant.py for CUDA
+tensors, the C++ codec of csrc/cpu_quant.cpp for CPU tensors (the exact 8-step midpoint search of the
+coded-state kernel, SIMD per block, threaded over blocks), torch ops (:func:`encode_wire`, ``decode_q8``)
+where the extension lacks it; all give ``encode_q8``'s bits (tests/test_wire_cpu.py, test_zeropp.py).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from .. import _ext
 from ..codecs import BLOCK, CODE_BOOKS, decode_q8, midpoints, scaled_blocks
 from . import collectives as C
 
 __all__ = ["QWZ_CODE", "quantized_all_gather", "qwz_bytes", "encode_wire", "wire_encode", "wire_decode",
-           "WIRE_BACKEND"]
+           "WIRE_BACKEND", "WIRE_BACKENDS", "wire_module", "wire_backend"]
 
 QWZ_CODE = "linear_signed"
 _MID_EXT: dict = {}             # device -> [-inf, the 255 midpoints of the book, +inf]
 # Who encodes and decodes the wire codes: "auto" = the Triton kernels of kernels/quant.py for CUDA
-# tensors ([Note: the wire codec kernels]), torch ops (encode_wire / codecs.decode_q8) on CPU;
-# "triton" / "torch" force one (tests run the kernels interpreted on CPU tensors). Same bits either way.
+# tensors ([Note: the wire codec kernels]), the C++ codec of csrc/cpu_quant.cpp for CPU tensors when
+# the extension has it, else (a warning, once) torch ops (encode_wire / codecs.decode_q8);
+# "triton" / "cpu" / "torch" force one (tests run the Triton kernels interpreted on CPU tensors;
+# "cpu" is an error without the extension). Same bits every way.
 WIRE_BACKEND = "auto"
+WIRE_BACKENDS = ("auto", "triton", "cpu", "torch")
+_warned = False
+
+
+def wire_module():
+    """The C++ extension when it has the wire codec (csrc/cpu_quant.cpp), else None."""
+    mod = _ext.cpu_module()
+    return mod if mod is not None and hasattr(mod, "q8_encode_cpu") else None
+
+
+def _why_no_cpp() -> str:
+    return _ext.load_error() or "the loaded extension was built without q8_encode_cpu (rebuild it)"
+
+
+def wire_backend(t: Tensor) -> str:
+    """The codec that encodes / decodes ``t`` under ``WIRE_BACKEND``: "triton", "cpu" or "torch"."""
+    global _warned
+    b = WIRE_BACKEND
+    if b not in WIRE_BACKENDS:
+        raise ValueError(f"qwz.WIRE_BACKEND={b!r}; expected one of {WIRE_BACKENDS}")
+    if b == "cpu" and wire_module() is None:
+        raise RuntimeError(f"qwz.WIRE_BACKEND='cpu' but the C++ wire codec is unavailable: {_why_no_cpp()}")
+    if b != "auto":
+        return b
+    if t.is_cuda:
+        return "triton"
+    if t.device.type != "cpu":
+        return "torch"
+    if wire_module() is not None:
+        return "cpu"
+    if not _warned:
+        _warned = True
+        warnings.warn("zero_kernels: the C++ wire codec is unavailable, so qwZ/qgZ encode and decode CPU "
+                      f"tensors with (slower) torch ops, the same bits. Reason: {_why_no_cpp()}",
+                      RuntimeWarning, stacklevel=3)
+    return "torch"
 
 
 def _mid_ext(device) -> Tensor:
@@ -45,21 +89,39 @@ def _mid_ext(device) -> Tensor:
     return mid
 
 
-def _triton(t: Tensor) -> bool:
-    return WIRE_BACKEND == "triton" or (WIRE_BACKEND == "auto" and t.is_cuda)
-
-
-def wire_encode(x: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
-    """(uint8 codes, fp32 block scales) of x with the qwZ/qgZ book (``codecs.encode_q8``'s bits)."""
-    if _triton(x):
+def wire_encode(x: Tensor, table: Tensor, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """(uint8 codes shaped like x, fp32 block scales) of x with the qwZ/qgZ book ``QWZ_CODE``
+    (``codecs.encode_q8``'s bits; ``table`` must be that book, whose midpoints are cached per device).
+    With ``out`` = (codes, scales) the results are written there (flat, numel and ceil(numel / BLOCK))."""
+    backend = wire_backend(x)
+    if backend == "cpu":
+        x = x.contiguous()
+        codes, scales = out if out is not None else (
+            torch.empty(x.shape, dtype=torch.uint8, device=x.device),
+            torch.empty(-(-x.numel() // BLOCK), dtype=torch.float32, device=x.device))
+        wire_module().q8_encode_cpu(x, _mid_ext(x.device)[1:-1], codes, scales)
+        return codes, scales
+    if backend == "triton":
         from ..kernels.quant import q8_encode_triton      # triton is imported only where it runs
-        return q8_encode_triton(x.float().contiguous(), _mid_ext(x.device)[1:-1])
-    return encode_wire(x, table)
+        codes, scales = q8_encode_triton(x.float().contiguous(), _mid_ext(x.device)[1:-1])
+    else:
+        codes, scales = encode_wire(x, table)
+    if out is None:
+        return codes, scales
+    out[0].copy_(codes.reshape(out[0].shape))
+    out[1].copy_(scales)
+    return out
 
 
 def wire_decode(codes: Tensor, scales: Tensor, table: Tensor, acc: Tensor | None = None) -> Tensor:
-    """``codecs.decode_q8`` (fp32), or ``acc += it`` in place when ``acc`` (fp32, contiguous) is given."""
-    if _triton(codes):
+    """``codecs.decode_q8`` (fp32), or ``acc += it`` in place when ``acc`` (fp32, contiguous) is given
+    (the decode rounded to fp32, then the add)."""
+    backend = wire_backend(codes)
+    if backend == "cpu":
+        out = acc if acc is not None else torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+        wire_module().q8_decode_cpu(codes.contiguous(), scales.contiguous(), table, out, acc is not None)
+        return out
+    if backend == "triton":
         from ..kernels.quant import q8_decode_triton
         if acc is not None:
             return q8_decode_triton(codes, scales, table, acc, accumulate=True)
@@ -116,9 +178,8 @@ def quantized_all_gather(flat: Tensor, rank: int, group=None, async_op: bool = T
     table = CODE_BOOKS[QWZ_CODE].to(flat.device)
     codes = torch.empty(n * sn, dtype=torch.uint8, device=flat.device)
     scales = torch.empty(n * nb, dtype=torch.float32, device=flat.device)
-    own_codes, own_scales = wire_encode(flat[rank * sn:(rank + 1) * sn], table)
-    codes[rank * sn:(rank + 1) * sn].copy_(own_codes)
-    scales[rank * nb:(rank + 1) * nb].copy_(own_scales)
+    wire_encode(flat[rank * sn:(rank + 1) * sn], table, out=(codes[rank * sn:(rank + 1) * sn],
+                                                           scales[rank * nb:(rank + 1) * nb]))
     g_codes = C.all_gather_bucket(codes, rank, group, True, ("qwZ codes", tag))
     g_scales = C.all_gather_bucket(scales, rank, group, True, ("qwZ scales", tag))
 
