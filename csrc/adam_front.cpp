@@ -6,8 +6,8 @@
 //                  beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf)
 //   fused_adam_cuda(... same ...)            only when built with CUDA (ZK_WITH_CUDA)
 //   fused_adam_coded_cpu(masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales,
-//                        params16, coeffs, keys, m_table, m_mid, v_table, v_mid, beta1, beta2, eps,
-//                        weight_decay, adamw, maximize, grad_scale, found_inf)
+//                        params16, coeffs, keys, beta1, beta2, eps, weight_decay, adamw, maximize,
+//                        grad_scale, found_inf)
 //                                            coded states (csrc/fused_adam.h ZK_CODED_ADAM_ARGS)
 //   fused_adam_coded_cuda(... same ...)      only when built with CUDA
 //   stream_ceiling(a, b, c, d)               a += d; b += d; c += d  (bandwidth ceiling)
@@ -156,16 +156,6 @@ void check_moment(const std::vector<at::Tensor>& ts, const char* what,
   }
 }
 
-void check_book(const at::Tensor& t, const char* what, int64_t n, c10::DeviceType dt,
-                const c10::Device& dev0, const char* fn) {
-  TORCH_CHECK(t.defined(), fn, ": ", what, " is undefined");
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == n && t.is_contiguous(), fn,
-              ": ", what, " must be a contiguous float32 tensor of ", n, " elements, got ",
-              t.scalar_type(), " ", t.sizes());
-  TORCH_CHECK(t.device().type() == dt && (dt == c10::DeviceType::CPU || t.device() == dev0), fn, ": ",
-              what, " is on ", t.device(), " but the tensors are on ", dev0);
-}
-
 }  // namespace
 
 void check_coded_adam_args(ZK_CODED_ADAM_ARGS, c10::DeviceType dt, const char* fn) {
@@ -217,10 +207,6 @@ void check_coded_adam_args(ZK_CODED_ADAM_ARGS, c10::DeviceType dt, const char* f
   }
   check_moment(exp_avgs, "exp_avgs", exp_avg_scales, "exp_avg_scales", T, masters, dt, dev0, fn);
   check_moment(exp_avg_sqs, "exp_avg_sqs", exp_avg_sq_scales, "exp_avg_sq_scales", T, masters, dt, dev0, fn);
-  check_book(m_table, "m_table", 256, dt, dev0, fn);
-  check_book(m_mid, "m_mid", 255, dt, dev0, fn);
-  check_book(v_table, "v_table", 256, dt, dev0, fn);
-  check_book(v_mid, "v_mid", 255, dt, dev0, fn);
   check_scalar(grad_scale, "grad_scale", dt, dev0, fn);
   check_scalar(found_inf, "found_inf", dt, dev0, fn);
 }
@@ -247,8 +233,7 @@ void fused_adam_cuda(ZK_FUSED_ADAM_ARGS) {
 
 #define ZK_CODED_CALL_ARGS                                                                        \
   masters, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, params16, coeffs, keys, \
-      m_table, m_mid, v_table, v_mid, beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, \
-      found_inf
+      beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf
 
 void fused_adam_coded_cpu(ZK_CODED_ADAM_ARGS) {
   check_coded_adam_args(ZK_CODED_CALL_ARGS, c10::DeviceType::CPU, "fused_adam_coded_cpu");
@@ -393,8 +378,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #define ZK_CODED_PYARGS                                                                          \
   py::arg("masters"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),              \
       py::arg("exp_avg_scales"), py::arg("exp_avg_sq_scales"), py::arg("params16"),                \
-      py::arg("coeffs"), py::arg("keys"), py::arg("m_table"), py::arg("m_mid"), py::arg("v_table"), \
-      py::arg("v_mid"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),                        \
+      py::arg("coeffs"), py::arg("keys"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),     \
       py::arg("weight_decay"), py::arg("adamw"), py::arg("maximize"),                             \
       py::arg("grad_scale") = py::none(), py::arg("found_inf") = py::none(),                       \
       py::call_guard<py::gil_scoped_release>()

@@ -50,11 +50,10 @@ void fused_adam_cuda_launch(ZK_FUSED_ADAM_ARGS);
 //     T bf16 parameters whose bits are the master's high half).
 //   - grads: T fp32 | bf16 | fp16, one dtype.            - params16: empty or T bf16 | fp16.
 //   - exp_avgs / exp_avg_sqs: T tensors of one dtype each: fp32 | bf16 (stochastic rounding) |
-//     uint8 (code book) | float8_e4m3fn; exp_avg_scales / exp_avg_sq_scales: T fp32 tensors of
+//     uint8 (8-bit blockwise: int8 codes of m, sqrt-domain codes of v) | float8_e4m3fn; exp_avg_scales / exp_avg_sq_scales: T fp32 tensors of
 //     ceil(numel / 256) block scales when that moment is uint8 / float8_e4m3fn, else empty.
 //   - coeffs: fp32 [T, 3] (step_size, bc2_sqrt, decay); keys: int64 [T, 3] (SR key of exp_avg, SR key
 //     of exp_avg_sq as uint32 values, flat index of element 0 for the SR bits).
-//   - m_table, v_table: fp32 [256] code books; m_mid, v_mid: fp32 [255] their midpoints.
 //   - grad_scale / found_inf as in the plain kernel. Blocks of 256 count from each tensor's element 0.
 #define ZK_CODED_ADAM_ARGS                                                                      \
   const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& grads,                \
@@ -62,8 +61,7 @@ void fused_adam_cuda_launch(ZK_FUSED_ADAM_ARGS);
       const std::vector<at::Tensor>& exp_avg_scales,                                            \
       const std::vector<at::Tensor>& exp_avg_sq_scales,                                         \
       const std::vector<at::Tensor>& params16, const at::Tensor& coeffs, const at::Tensor& keys, \
-      const at::Tensor& m_table, const at::Tensor& m_mid, const at::Tensor& v_table,             \
-      const at::Tensor& v_mid, double beta1, double beta2, double eps, double weight_decay,      \
+      double beta1, double beta2, double eps, double weight_decay,                              \
       bool adamw, bool maximize, const std::optional<at::Tensor>& grad_scale,                   \
       const std::optional<at::Tensor>& found_inf
 

@@ -20,7 +20,7 @@ from torch import Tensor
 from . import codecs
 from .reference import compute_coeffs
 
-__all__ = ["CodedEntry", "CodedStep", "prepare", "books", "run_extension"]
+__all__ = ["CodedEntry", "CodedStep", "prepare", "run_extension"]
 
 MASTER_FP32, MASTER_REMAINDER = 0, 1
 
@@ -91,17 +91,6 @@ def prepare(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Te
     return step
 
 
-_BOOKS: dict = {}
-
-
-def books(device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(m table, m midpoints, v table, v midpoints) of the default code books on ``device``, uploaded once."""
-    if device not in _BOOKS:
-        m, v = codecs.TABLES["exp_avg"], codecs.TABLES["exp_avg_sq"]
-        _BOOKS[device] = tuple(t.to(device) for t in (m, codecs.midpoints(m), v, codecs.midpoints(v)))
-    return _BOOKS[device]
-
-
 def run_extension(fn: Callable[..., None], params: list[Tensor], grads: list[Tensor],
                   states: list[dict[str, Tensor]], seeds: list[int], *, lr, beta1: float, beta2: float, eps: float,
                   weight_decay: float, adamw: bool, maximize: bool = False, grad_scale: Tensor | None = None,
@@ -123,6 +112,6 @@ def run_extension(fn: Callable[..., None], params: list[Tensor], grads: list[Ten
            [e.exp_avg_sq_scale for e in es if e.exp_avg_sq_scale is not None],
            [e.param16 for e in es if e.param16 is not None],
            step.coeffs.index_select(0, index).contiguous(), step.keys.index_select(0, index).contiguous(),
-           *books(device), beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
+           beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
            maximize=maximize, grad_scale=gs, found_inf=fi)
     step.finish()

@@ -174,12 +174,12 @@ def _coded_backend(name: str, doc: str):
     def fn(
         masters: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
         exp_avg_scales: list[Tensor], exp_avg_sq_scales: list[Tensor], params16: list[Tensor], coeffs: Tensor,
-        keys: Tensor, m_table: Tensor, m_mid: Tensor, v_table: Tensor, v_mid: Tensor, *, beta1: float,
+        keys: Tensor, *, beta1: float,
         beta2: float, eps: float, weight_decay: float, adamw: bool, maximize: bool,
         grad_scale: Tensor | None = None, found_inf: Tensor | None = None,
     ) -> None:
         _entry(name)(list(masters), list(grads), list(exp_avgs), list(exp_avg_sqs), list(exp_avg_scales),
-                     list(exp_avg_sq_scales), list(params16), coeffs, keys, m_table, m_mid, v_table, v_mid,
+                     list(exp_avg_sq_scales), list(params16), coeffs, keys,
                      float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw), bool(maximize),
                      grad_scale, found_inf)
     fn.__name__ = fn.__qualname__ = name

@@ -379,7 +379,7 @@ class Shards:
                     st[key + "_scale"] = self.get(rank, f"{name}_scale")
                 elif st[key].dtype != torch.bfloat16:
                     raise CheckpointError(f"{self.vdir}: {name} of rank {rank} has dtype {st[key].dtype}, not a state format")
-                t = codecs.decode_moment(st, key, codecs.TABLES[key])
+                t = codecs.decode_moment(st, key)
             self.decoded[ck] = t
         return self.decoded[ck]
 

@@ -20,25 +20,45 @@ Integer arithmetic below is on uint32 (wrapping); here it runs on int64 tensors 
    so beta2 = 0.999 updates (0.1%, below half a bf16 ulp) accumulate instead of freezing as with
    round-to-nearest (``encode_bf16_rne``, kept as the negative control and for comparison).
 
-2. **8-bit blockwise** (``encode_q8`` / ``decode_q8``): blocks of ``BLOCK`` = 256 consecutive elements
-   of the state buffer, counted from its first element (the last block may be partial; ZeRO pads
-   shards to whole blocks so no block straddles ranks). Per block one fp32 ``scale`` = max |x| over
-   the block (NaN if the block holds a NaN). With a code book ``table`` (256 increasing fp32 values in
-   [-1, 1], data passed to the kernel) and its fp32 ``midpoints`` ``(table[k] + table[k+1]) / 2``:
+2. **8-bit blockwise moments** (``encode_m8`` / ``decode_m8`` for exp_avg, ``encode_v8`` / ``decode_v8``
+   for exp_avg_sq): blocks of ``BLOCK`` = 256 consecutive elements of the state buffer, counted from its
+   first element (the last block may be partial; ZeRO pads shards to whole blocks so no block straddles
+   ranks). Both codes are arithmetic (a multiply and a rounding per element, no table, no search), so
+   every kernel runs them at memory speed; all operations are IEEE fp32 (no FMA):
+
+       m (signed):  scale = max |m| over the block
+                    inv   = 127 / scale, replaced by 0 unless finite (scale 0, inf, NaN, tiny)
+                    code  = round_half_even(m * inv) in [-127, 127], stored as int8 bits; 0 where inv == 0
+                    m'    = float(code) * (scale / 127)
+       v (unsigned, coded in the square-root domain):  s = sqrt(v)   (the step computes it anyway)
+                    scale = max s over the block
+                    inv   = 255 / scale, replaced by 0 unless finite
+                    code  = min(ceil(s * inv), 255) in [0, 255]; 0 where inv == 0
+                    v'    = d * d  with  d = float(code) * (scale / 255)
+
+   The scale is the absmax of the bits (every NaN above +inf; a NaN scale is the canonical 0x7FC00000),
+   so a block holding a NaN or inf decodes to NaN everywhere, as the fp32 state would be poisoned.
+   Why these codes (bench/quality_states.py): a linear code for v diverges (small v quantize to 0, then
+   m / (0 + eps) explodes); coding sqrt(v) spends the 256 levels on 4.8 decades of v, and rounding it UP
+   means a decoded v is never below the true one (up to fp32 rounding): an Adam denominator never
+   shrinks, and with m rounded to nearest an element's update is at most twice its fp32 size. The
+   table codes of bitsandbytes / torchao (their dynamic map) reach the same final loss but cost a
+   256-entry lookup and an 8-step search per element: they remain the wire codec (below). Tensors with
+   fewer than ``min_8bit_size`` (default one block) elements keep fp32 states.
+
+   **The 8-bit table codec** (``encode_q8`` / ``decode_q8``; the ZeRO++ wire codec of zero/qwz.py and
+   zero/qgz.py): the same blocks, ``scale`` = max |x| over the block; with a code book ``table`` (256
+   increasing fp32 values in [-1, 1], data passed to the kernel) and its fp32 ``midpoints``
+   ``(table[k] + table[k+1]) / 2``:
 
        y    = x / scale  (IEEE round-to-nearest division; y = 0 where scale == 0)
        code = number of midpoints strictly below y     (nearest entry; a tie takes the lower code)
        x'   = table[code] * scale                       (one fp32 multiply)
 
    A kernel computes ``code`` with an 8-step branchless binary search over ``midpoints``; a NaN ``y``
-   (a block holding a NaN) takes code 255, as ``torch.bucketize`` places NaN after every boundary.
-   ``CODE_BOOKS``: ``dynamic_signed`` / ``dynamic_unsigned`` (bitsandbytes' ``create_dynamic_map``, bit
-   for bit), ``linear_signed`` ((k - 127) / 127), ``linear_unsigned`` (k / 255), ``sqrt_unsigned``
-   ((k / 255)^2). Defaults ``M_CODE = "dynamic_signed"``, ``V_CODE = "dynamic_unsigned"`` (the maps of
-   bitsandbytes and torchao), chosen by bench/quality_states.py --codebooks: a linear v code book
-   diverges (small v quantize to 0, then m / (0 + eps) explodes: NaN loss), sqrt v ties dynamic v
-   (loss ratios 0.9991 both), linear m is no better (0.9997). Tensors with fewer than
-   ``min_8bit_size`` (default one block) elements keep fp32 states.
+   takes code 255, as ``torch.bucketize`` places NaN after every boundary. ``CODE_BOOKS``:
+   ``dynamic_signed`` / ``dynamic_unsigned`` (bitsandbytes' ``create_dynamic_map``, bit for bit),
+   ``linear_signed`` ((k - 127) / 127), ``linear_unsigned`` (k / 255), ``sqrt_unsigned`` ((k / 255)^2).
 
 3. **float8_e4m3fn blockwise** (``encode_f8`` / ``decode_f8``): the same 256-element blocks, one fp32
    ``scale = absmax / 448`` per block (448 = e4m3fn's largest finite value), ``code = e4m3fn(x / scale)``
@@ -71,7 +91,8 @@ from .reference import compute_coeffs, fused_adam_ref
 
 __all__ = [
     "BLOCK", "M32", "fmix32", "sr_key", "sr_bits", "encode_bf16_sr", "encode_bf16_rne",
-    "dynamic_map", "CODE_BOOKS", "M_CODE", "V_CODE", "TABLES", "midpoints", "scaled_blocks", "encode_q8", "decode_q8",
+    "dynamic_map", "CODE_BOOKS", "midpoints", "scaled_blocks", "encode_q8", "decode_q8",
+    "M8_LEVELS", "V8_LEVELS", "block_absmax", "encode_m8", "decode_m8", "encode_v8", "decode_v8",
     "F8_MAX", "encode_f8", "decode_f8",
     "split_remainder", "join_remainder", "remainder_is_lossy",
     "init_coded_state", "state_nbytes", "decode_moment", "encode_moment", "adam_step_coded", "MOMENT_DTYPES",
@@ -158,9 +179,6 @@ CODE_BOOKS: dict[str, Tensor] = {
     "linear_unsigned": _K / 255,
     "sqrt_unsigned": (_K / 255) ** 2,
 }
-M_CODE = "dynamic_signed"
-V_CODE = "dynamic_unsigned"
-TABLES = {"exp_avg": CODE_BOOKS[M_CODE], "exp_avg_sq": CODE_BOOKS[V_CODE]}   # the code book of each moment
 
 
 def midpoints(table: Tensor) -> Tensor:
@@ -194,6 +212,59 @@ def decode_q8(codes: Tensor, scale: Tensor, table: Tensor) -> Tensor:
     n = codes.numel()
     block_scale = scale.repeat_interleave(BLOCK)[:n]
     return (table.to(codes.device)[codes.reshape(-1).long()] * block_scale).view(codes.shape)
+
+
+# ---------------------------------------------------------------- 8-bit blockwise moments (Note 2)
+M8_LEVELS = 127.0      # exp_avg: codes -127..127 (int8 bits)
+V8_LEVELS = 255.0      # exp_avg_sq: codes 0..255 of sqrt(v)
+_FLT_MAX = 3.4028234663852886e38
+
+
+def block_absmax(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(x as [blocks, BLOCK] fp32, zero-padded; the fp32 absmax of every block, a NaN block's the
+    canonical NaN 0x7FC00000 whatever its NaNs' payloads)."""
+    xb = _blocks(x)
+    scale = xb.abs().amax(dim=1)
+    return xb, torch.where(torch.isnan(scale), float("nan"), scale)
+
+
+def _inverse(scale: Tensor, levels: float) -> Tensor:
+    """levels / scale per block (IEEE fp32 division), 0 where that is not finite."""
+    inv = torch.tensor(levels, dtype=torch.float32, device=scale.device) / scale
+    return torch.where(inv <= _FLT_MAX, inv, 0.0)
+
+
+def _step(scale: Tensor, levels: float, n: int) -> Tensor:
+    """scale / levels per block (IEEE fp32 division), repeated over each block's elements, first n."""
+    return (scale / torch.tensor(levels, dtype=torch.float32, device=scale.device)).repeat_interleave(BLOCK)[:n]
+
+
+def encode_m8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """exp_avg fp32 -> (uint8 tensor of int8 codes shaped like x, fp32 scales [ceil(numel / BLOCK)])."""
+    xb, scale = block_absmax(x)
+    inv = _inverse(scale, M8_LEVELS)[:, None]
+    code = torch.where(inv == 0, 0.0, torch.round(xb * inv)).to(torch.int8)
+    return code.reshape(-1)[: x.numel()].view(torch.uint8).view(x.shape), scale
+
+
+def decode_m8(codes: Tensor, scale: Tensor) -> Tensor:
+    """(int8 codes in a uint8 tensor, fp32 block scales) -> fp32 exp_avg shaped like codes."""
+    n = codes.numel()
+    return (codes.reshape(-1).view(torch.int8).float() * _step(scale, M8_LEVELS, n)).view(codes.shape)
+
+
+def encode_v8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """exp_avg_sq fp32 -> (uint8 codes of sqrt(x) rounded up, shaped like x; fp32 scales of sqrt(x))."""
+    sb, scale = block_absmax(torch.sqrt(x.float()))
+    inv = _inverse(scale, V8_LEVELS)[:, None]
+    code = torch.where(inv == 0, 0.0, torch.clamp(torch.ceil(sb * inv), max=V8_LEVELS)).to(torch.uint8)
+    return code.reshape(-1)[: x.numel()].view(x.shape), scale
+
+
+def decode_v8(codes: Tensor, scale: Tensor) -> Tensor:
+    """(uint8 codes, fp32 block scales of sqrt(v)) -> fp32 exp_avg_sq shaped like codes."""
+    d = codes.reshape(-1).float() * _step(scale, V8_LEVELS, codes.numel())
+    return (d * d).view(codes.shape)
 
 
 F8_MAX = 448.0
@@ -241,18 +312,9 @@ BLOCKWISE = (torch.uint8, torch.float8_e4m3fn)
 _ROUNDINGS = {"stochastic": encode_bf16_sr, "nearest": encode_bf16_rne}
 
 
-def _check_code(name: str, which: str, signed: bool) -> Tensor:
-    if name not in CODE_BOOKS:
-        raise ValueError(f"{which}={name!r} is not a code book; expected one of {sorted(CODE_BOOKS)}")
-    if signed and not bool(CODE_BOOKS[name][0] < 0):
-        raise ValueError(f"{which}={name!r} is unsigned but exp_avg is signed; pick a *_signed code book")
-    return CODE_BOOKS[name]
-
-
 def init_coded_state(param: Tensor, *, exp_avg_dtype: torch.dtype = torch.float32,
                      exp_avg_sq_dtype: torch.dtype = torch.float32, store_param_remainders: bool = False,
-                     master_weights: bool = True, min_8bit_size: int = BLOCK,
-                     m_code: str = M_CODE, v_code: str = V_CODE) -> dict[str, Tensor]:
+                     master_weights: bool = True, min_8bit_size: int = BLOCK) -> dict[str, Tensor]:
     """A fresh state dict of plain tensors: ``step``, ``exp_avg`` / ``exp_avg_sq`` in their stored dtype
     (+ ``exp_avg_scale`` / ``exp_avg_sq_scale`` for uint8 / float8_e4m3fn), and ``master_param`` (fp32)
     or ``master_remainder`` (int16) for 16-bit parameters. Blockwise formats fall back to fp32 below
@@ -265,10 +327,9 @@ def init_coded_state(param: Tensor, *, exp_avg_dtype: torch.dtype = torch.float3
                          "master is kept as the bf16 parameter's bits plus an int16 remainder")
     state = {"step": torch.zeros((), dtype=torch.float32)}
     zeros = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-    for key, dt, table in (("exp_avg", exp_avg_dtype, _check_code(m_code, "m_code", True)),
-                           ("exp_avg_sq", exp_avg_sq_dtype, _check_code(v_code, "v_code", False))):
+    for key, dt in (("exp_avg", exp_avg_dtype), ("exp_avg_sq", exp_avg_sq_dtype)):
         if dt in BLOCKWISE and param.numel() >= min_8bit_size:
-            state[key], state[key + "_scale"] = encode_q8(zeros, table) if dt == torch.uint8 else encode_f8(zeros)
+            state[key], state[key + "_scale"] = _ENCODERS[key, dt](zeros)
         else:
             state[key] = torch.zeros(param.shape, dtype=torch.bfloat16 if dt == torch.bfloat16 else torch.float32,
                                      device=param.device)
@@ -284,21 +345,27 @@ def state_nbytes(state: dict[str, Tensor]) -> int:
     return sum(t.numel() * t.element_size() for k, t in state.items() if k != "step")
 
 
-def decode_moment(state: dict[str, Tensor], key: str, table: Tensor) -> Tensor:
+_ENCODERS = {("exp_avg", torch.uint8): encode_m8, ("exp_avg_sq", torch.uint8): encode_v8,
+             ("exp_avg", torch.float8_e4m3fn): encode_f8, ("exp_avg_sq", torch.float8_e4m3fn): encode_f8}
+_DECODERS = {("exp_avg", torch.uint8): decode_m8, ("exp_avg_sq", torch.uint8): decode_v8,
+             ("exp_avg", torch.float8_e4m3fn): decode_f8, ("exp_avg_sq", torch.float8_e4m3fn): decode_f8}
+
+
+def decode_moment(state: dict[str, Tensor], key: str) -> Tensor:
     """State ``key`` (``exp_avg`` / ``exp_avg_sq``, with its ``_scale`` if blockwise) decoded to fp32."""
     s = state[key]
-    if s.dtype == torch.uint8:
-        return decode_q8(s, state[key + "_scale"], table)
-    return decode_f8(s, state[key + "_scale"]) if s.dtype == torch.float8_e4m3fn else s.float()
+    if s.dtype in BLOCKWISE:
+        return _DECODERS[key, s.dtype](s, state[key + "_scale"])
+    return s.float()
 
 
-def encode_moment(state: dict[str, Tensor], key: str, x: Tensor, table: Tensor, rounding: str = "stochastic",
+def encode_moment(state: dict[str, Tensor], key: str, x: Tensor, rounding: str = "stochastic",
                   sr: dict | None = None) -> None:
     """fp32 ``x`` encoded in place into state ``key`` in its stored format (``sr``: the keyword arguments of
     :func:`encode_bf16_sr`: seed, step, stream, index_offset)."""
     s = state[key]
     if s.dtype in BLOCKWISE:
-        codes, scale = encode_q8(x, table) if s.dtype == torch.uint8 else encode_f8(x)
+        codes, scale = _ENCODERS[key, s.dtype](x)
         s.copy_(codes)
         state[key + "_scale"].copy_(scale)
     elif s.dtype == torch.bfloat16:
@@ -310,7 +377,7 @@ def encode_moment(state: dict[str, Tensor], key: str, x: Tensor, table: Tensor, 
 def adam_step_coded(param: Tensor, grad: Tensor, state: dict[str, Tensor], *, lr: float, beta1: float,
                     beta2: float, eps: float, weight_decay: float, adamw: bool, maximize: bool = False,
                     seed: int = 0, index_offset: int = 0, bf16_rounding: str = "stochastic",
-                    m_code: str = M_CODE, v_code: str = V_CODE, grad_scale: Tensor | None = None,
+                    grad_scale: Tensor | None = None,
                     found_inf: Tensor | None = None) -> None:
     """One Adam/AdamW step of one tensor on coded states (from :func:`init_coded_state`), in place:
     decode to fp32, the update of :func:`fused_adam_ref` (same formula and order), encode. With
@@ -320,7 +387,6 @@ def adam_step_coded(param: Tensor, grad: Tensor, state: dict[str, Tensor], *, lr
         raise ValueError(f"bf16_rounding={bf16_rounding!r}; expected one of {sorted(_ROUNDINGS)}")
     if grad.shape != param.shape:
         raise ValueError(f"grad shape {tuple(grad.shape)} != param shape {tuple(param.shape)}")
-    m_table, v_table = _check_code(m_code, "m_code", True), _check_code(v_code, "v_code", False)
     if found_inf is not None and bool(found_inf.reshape(()) != 0):
         return                                   # an inf/NaN gradient step changes nothing
     state["step"] += 1
@@ -329,12 +395,12 @@ def adam_step_coded(param: Tensor, grad: Tensor, state: dict[str, Tensor], *, lr
     rem = state.get("master_remainder")
     master = join_remainder(param, rem) if rem is not None else state.get("master_param", param)
     params16 = [param] if "master_param" in state else None
-    m, v = decode_moment(state, "exp_avg", m_table), decode_moment(state, "exp_avg_sq", v_table)
+    m, v = decode_moment(state, "exp_avg"), decode_moment(state, "exp_avg_sq")
     fused_adam_ref([master], [grad], [m], [v], None, params16, coeffs, beta1=beta1, beta2=beta2, eps=eps,
                    weight_decay=weight_decay, adamw=adamw, maximize=maximize, grad_scale=grad_scale)
-    for key, x, table, stream in (("exp_avg", m, m_table, 0), ("exp_avg_sq", v, v_table, 1)):
+    for key, x, stream in (("exp_avg", m, 0), ("exp_avg_sq", v, 1)):
         sr = dict(seed=seed, step=t, stream=stream, index_offset=index_offset)
-        encode_moment(state, key, x, table, bf16_rounding, sr)
+        encode_moment(state, key, x, bf16_rounding, sr)
     if rem is not None:
         hi, low = split_remainder(master)
         param.copy_(hi)

@@ -47,7 +47,7 @@ from .hparams import StateFormat, as_float, scalar_lr
 __all__ = ["new_state", "state_problem", "convert_state", "convert_state_dict", "is_coded_state", "resolve_backend",
            "coded_work", "step_coded", "run_coded", "group_hparams"]
 
-_TABLES = codecs.TABLES
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 _STREAM = {"exp_avg": 0, "exp_avg_sq": 1}
 _C_KERNELS = ("cpu", "cuda")
 
@@ -94,7 +94,7 @@ def _check_saved(where: str, saved: dict[str, Any], p: Tensor) -> None:
         if tuple(t.shape) != want:
             raise ValueError(f"{where}: state {k!r} has shape {tuple(t.shape)}, expected {want} for the parameter "
                              f"of shape {tuple(p.shape)}; was the state saved for another model? Nothing was loaded.")
-        if k in _TABLES and t.dtype in codecs.BLOCKWISE and k + "_scale" not in saved:
+        if k in _MOMENTS and t.dtype in codecs.BLOCKWISE and k + "_scale" not in saved:
             raise ValueError(f"{where}: state {k!r} holds {t.dtype} codes but no {k}_scale. Nothing was loaded.")
 
 
@@ -136,7 +136,7 @@ def convert_state(where: str, saved: dict[str, Any], p: Tensor, fmt: StateFormat
     step = saved.get("step", 0)
     target["step"].fill_(float(step))
     converted = 0
-    for key, table in _TABLES.items():
+    for key in _MOMENTS:
         if key not in saved:
             continue
         if _same_layout(saved, target, key):
@@ -144,9 +144,9 @@ def convert_state(where: str, saved: dict[str, Any], p: Tensor, fmt: StateFormat
             if key + "_scale" in target:
                 target[key + "_scale"].copy_(saved[key + "_scale"])
             continue
-        x = codecs.decode_moment(saved, key, table).to(p.device, torch.float32)
+        x = codecs.decode_moment(saved, key).to(p.device, torch.float32)
         sr = dict(seed=seed, step=int(float(step)), stream=_STREAM[key])
-        codecs.encode_moment(target, key, x, table, "stochastic", sr)
+        codecs.encode_moment(target, key, x, "stochastic", sr)
         converted += int(saved[key].dtype != torch.float32 or target[key].dtype != torch.float32)
     converted += _convert_master(where, saved, p, target)
     return target, converted

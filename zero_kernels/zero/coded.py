@@ -39,7 +39,6 @@ __all__ = ["format_error", "new_moments", "remainder_of", "join_master", "decode
            "saved_problem", "decode_saved", "step_coded_slice", "step_decoded_slice", "MOMENT_KEYS"]
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
-_TABLES = codecs.TABLES
 
 
 def format_error(cfg, trainable, groups: Sequence[dict]) -> str | None:
@@ -79,7 +78,7 @@ def join_master(params16: Tensor, remainder: Tensor | None, master: Tensor | Non
 
 def decode_slice(moments: dict[str, Tensor]) -> dict[str, Tensor]:
     """fp32 copies of a slice's coded moments."""
-    return {k: codecs.decode_moment(moments, k, _TABLES[k]).float().clone() for k in MOMENT_KEYS}
+    return {k: codecs.decode_moment(moments, k).float().clone() for k in MOMENT_KEYS}
 
 
 def encode_slice(moments: dict[str, Tensor], fp32: dict[str, Tensor], seed: int, step: int,
@@ -87,7 +86,7 @@ def encode_slice(moments: dict[str, Tensor], fp32: dict[str, Tensor], seed: int,
     """Encode fp32 moments into the slice's coded tensors, in place (bf16: stochastic rounding keyed as the step)."""
     for stream, k in enumerate(MOMENT_KEYS):
         sr = dict(seed=seed, step=step, stream=stream, index_offset=index_offset)
-        codecs.encode_moment(moments, k, fp32[k].to(moments[k].device, torch.float32), _TABLES[k], "stochastic", sr)
+        codecs.encode_moment(moments, k, fp32[k].to(moments[k].device, torch.float32), "stochastic", sr)
 
 
 def saved_problem(st: dict, numel: int, amsgrad: bool) -> str | None:
