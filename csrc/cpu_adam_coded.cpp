@@ -24,7 +24,7 @@ constexpr int ZK_MASTER_F32 = 0, ZK_MASTER_REM = 1;                    // master
 struct ZkCJob {
   void* master;       // fp32 master / fp32 parameter (ZK_MASTER_F32) or int16 remainder (ZK_MASTER_REM)
   const void* g;      // gradient: fp32 / bf16 / fp16 (the call's one dtype)
-  void* m;            // exp_avg storage: fp32 / bf16 bits / uint8 codes / e4m3fn codes (m_kind)
+  void* m;            // exp_avg storage: fp32 / bf16 bits / int8 codes / e4m3fn codes (m_kind)
   void* v;            // exp_avg_sq storage (v_kind)
   float* m_scale;     // fp32 [blocks] block scales of a blockwise m, else nullptr
   float* v_scale;     // same for v
@@ -41,8 +41,6 @@ struct ZkCJob {
 struct ZkCHyper {
   float gscale, wd, omb1, omb2, b2, eps;
   bool maximize;
-  const ZkLevels* m_lv;  // m's code book and its binary-search tables
-  const ZkLevels* v_lv;
 };
 
 struct ZkCCall {
@@ -157,9 +155,6 @@ void fused_adam_coded_cpu_launch(ZK_CODED_ADAM_ARGS) {
   if (T == 0) return;
   if (found_inf.has_value() && found_inf->data_ptr<float>()[0] != 0.0f) return;
 
-  ZkLevels m_lv, v_lv;
-  zk_build_levels(m_table.data_ptr<float>(), m_mid.data_ptr<float>(), m_lv);
-  zk_build_levels(v_table.data_ptr<float>(), v_mid.data_ptr<float>(), v_lv);
   ZkCCall c;
   c.h.gscale = grad_scale.has_value() ? grad_scale->data_ptr<float>()[0] : 1.0f;
   c.h.maximize = maximize;
@@ -168,8 +163,6 @@ void fused_adam_coded_cpu_launch(ZK_CODED_ADAM_ARGS) {
   c.h.omb2 = static_cast<float>(1.0 - beta2);
   c.h.b2 = static_cast<float>(beta2);
   c.h.eps = static_cast<float>(eps);
-  c.h.m_lv = &m_lv;
-  c.h.v_lv = &v_lv;
   const bool l2 = !adamw && weight_decay != 0.0;
   const int gt = zk_code(grads[0].scalar_type());
   const bool rem = masters[0].scalar_type() == at::kShort;

@@ -3,22 +3,68 @@
 // csrc/cpu_adam_coded.cpp once per SIMD path (inside zk_avx512 / zk_avx2 / zk_scalar) with ZK_TGT
 // set to that path's target attribute. No include guard on purpose.
 //
-// One call processes one whole 256-element quantization block (codecs.BLOCK): decode the master and
-// both moments into fp32 buffers (L1-resident), run the update of reference.fused_adam_ref on them
-// in its order (one IEEE rounding per op, no FMA), then encode: a blockwise moment's new scale is the
-// absmax of the UPDATED block, so it is known only after the update. Every loop runs over exactly
-// 256 elements (a partial last block is staged through zero-padded copies by the caller), so there
-// is no scalar tail and every path computes each element with the same operations.
+// One call processes one whole 256-element quantization block (codecs.BLOCK): decode, run the
+// update of reference.fused_adam_ref in its order (one IEEE rounding per op, no FMA), encode. A
+// blockwise moment's new scale is the absmax of the UPDATED block, known only after the update, so
+// the updated moments wait in L1 buffers for the encode. Every loop runs over exactly 256 elements
+// (a partial last block is staged through zero-padded copies by the caller), so there is no scalar
+// tail and every path computes each element with the same operations.
 
 #ifndef ZK_TGT
 #error "define ZK_TGT before including cpu_adam_coded_simd.h"
 #endif
 
-#include "cpu_q8_simd.h"  // zk_q8_absmax / zk_q8_encode / zk_q8_decode (the 8-bit blockwise codec)
+#include "cpu_q8_simd.h"  // zk_q8_absmax: the block absmax on the bits
 
-// fp32 <- stored moment (kind ZK_MK_*), 256 elements.
-ZK_TGT static inline void zk_c_decode(int kind, const void* src, float scale, const ZkLevels& lv,
-                                      float* out) {
+// ---------------------------------------------------------------- 8-bit moment codes (codecs.py Note 2)
+// Per block: inv = levels / scale, 0 unless finite; codes of m = rint(m * inv) as int8 bits, of v =
+// min(ceil(sqrt(v) * inv), 255); decode with step = scale / levels. Rounding by the magic numbers
+// 1.5 * 2^23 (round half to even, |y| <= 2^22) and 2^23 (an integral y >= 0 to its integer): one
+// fp32 add whose result's low mantissa bits are the integer, exact on every path.
+constexpr float ZK_M8_LEVELS = 127.0f, ZK_V8_LEVELS = 255.0f;
+
+ZK_TGT static inline float zk_c_inverse(float scale, float levels) {
+  const float inv = levels / scale;
+  return inv <= 3.4028234663852886e38f ? inv : 0.0f;  // scale 0, tiny, inf or NaN: all codes 0
+}
+
+// The block scale from a lane-wise running max of |x| bits (NaN -> the canonical 0x7FC00000).
+ZK_TGT static inline float zk_c_scale(Q::I acc) {
+  uint32_t u = Q::hmaxi(acc);
+  if (u > 0x7F800000u) u = 0x7FC00000u;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+ZK_TGT static inline Q::I zk_c_absbits(Q::F x) { return Q::andi(Q::bi(x), Q::set1i(0x7FFFFFFF)); }
+
+// int8 codes of m (x: the block's updated m), given inv.
+ZK_TGT static inline void zk_m8_codes(const float* x, float inv, uint8_t* dst) {
+  if (inv == 0.0f) { std::memset(dst, 0, ZK_QBLOCK); return; }
+  const Q::F s = Q::set1f(inv), magic = Q::set1f(12582912.0f);
+  for (int i = 0; i < ZK_QBLOCK; i += Q::W)
+    Q::st_u8(dst + i, Q::subi(Q::bi(Q::add(Q::mul(Q::ldf(x + i), s), magic)), Q::set1i(0x4B400000u)));
+}
+
+// uint8 codes of v (sq: the block's sqrt(v)), given inv.
+ZK_TGT static inline void zk_v8_codes(const float* sq, float inv, uint8_t* dst) {
+  if (inv == 0.0f) { std::memset(dst, 0, ZK_QBLOCK); return; }
+  const Q::F s = Q::set1f(inv), two23 = Q::set1f(8388608.0f);
+  for (int i = 0; i < ZK_QBLOCK; i += Q::W) {
+    const Q::I c = Q::subi(Q::bi(Q::add(Q::ceil(Q::mul(Q::ldf(sq + i), s)), two23)), Q::set1i(0x4B000000u));
+    Q::st_u8(dst + i, Q::mini(c, Q::set1i(255)));
+  }
+}
+
+ZK_TGT static inline Q::F zk_m8_decode(const uint8_t* c, Q::F step) { return Q::mul(Q::i2f(Q::ld_i8(c)), step); }
+ZK_TGT static inline Q::F zk_v8_decode(const uint8_t* c, Q::F step) {
+  const Q::F d = Q::mul(Q::i2f(Q::ld_u8(c)), step);
+  return Q::mul(d, d);
+}
+
+// fp32 <- stored moment (kind ZK_MK_*; V: exp_avg_sq's codes), 256 elements.
+ZK_TGT static inline void zk_c_decode(int kind, bool V_, const void* src, float scale, float* out) {
   switch (kind) {
     case ZK_MK_F32:
       std::memcpy(out, src, ZK_QBLOCK * sizeof(float));
@@ -27,9 +73,13 @@ ZK_TGT static inline void zk_c_decode(int kind, const void* src, float scale, co
       for (int i = 0; i < ZK_QBLOCK; i += Q::W)
         Q::stf(out + i, Q::bf(Q::shl<16>(Q::ld_u16(static_cast<const uint16_t*>(src) + i))));
       return;
-    case ZK_MK_U8:  // table[code] * scale
-      zk_q8_decode<false>(static_cast<const uint8_t*>(src), scale, lv, out);
+    case ZK_MK_U8: {
+      const uint8_t* c = static_cast<const uint8_t*>(src);
+      const Q::F step = Q::set1f(scale / (V_ ? ZK_V8_LEVELS : ZK_M8_LEVELS));
+      for (int i = 0; i < ZK_QBLOCK; i += Q::W)
+        Q::stf(out + i, V_ ? zk_v8_decode(c + i, step) : zk_m8_decode(c + i, step));
       return;
+    }
     default: {  // float8_e4m3fn: torch's exact conversion (NaN codes 0x7F/0xFF -> 0x7FF00000 | sign), * scale
       const Q::F s = Q::set1f(scale);
       for (int i = 0; i < ZK_QBLOCK; i += Q::W) {
@@ -59,10 +109,11 @@ ZK_TGT static inline Q::I zk_c_fmix32(Q::I h) {
   return Q::xori(h, Q::shr<16>(h));
 }
 
-// fp32 -> stored moment, 256 elements; writes the block's scale for the blockwise kinds.
+// fp32 -> stored moment, 256 elements (V_: exp_avg_sq); writes the block's scale for the blockwise
+// kinds. x may be overwritten (the 8-bit v code takes its square root in place).
 // idx0: flat index of the block's element 0 (mod 2^32) for the stochastic-rounding bits.
-ZK_TGT static inline void zk_c_encode(int kind, const float* x, void* dst, float* scale_out,
-                                      const ZkLevels& lv, uint32_t key, uint32_t idx0) {
+ZK_TGT static inline void zk_c_encode(int kind, bool V_, float* x, void* dst, float* scale_out, uint32_t key,
+                                      uint32_t idx0) {
   switch (kind) {
     case ZK_MK_F32:
       std::memcpy(dst, x, ZK_QBLOCK * sizeof(float));
@@ -78,9 +129,15 @@ ZK_TGT static inline void zk_c_encode(int kind, const float* x, void* dst, float
       }
       return;
     }
-    case ZK_MK_U8:  // code = #midpoints < x / scale (0 where scale == 0), NaN -> 255
-      zk_q8_encode(x, static_cast<uint8_t*>(dst), scale_out, lv);
+    case ZK_MK_U8: {
+      if (V_)
+        for (int i = 0; i < ZK_QBLOCK; i += Q::W) Q::stf(x + i, Q::sqrt(Q::ldf(x + i)));
+      const float scale = zk_q8_absmax(x);
+      *scale_out = scale;
+      if (V_) zk_v8_codes(x, zk_c_inverse(scale, ZK_V8_LEVELS), static_cast<uint8_t*>(dst));
+      else zk_m8_codes(x, zk_c_inverse(scale, ZK_M8_LEVELS), static_cast<uint8_t*>(dst));
       return;
+    }
     default: {  // float8_e4m3fn of x / (absmax / 448): torch's RNE cast on the bits (kernels/_codecs.py)
       const float scale = zk_q8_absmax(x) / 448.0f;
       *scale_out = scale;
@@ -103,81 +160,153 @@ ZK_TGT static inline void zk_c_encode(int kind, const float* x, void* dst, float
 }
 
 // bf16 parameter + int16 remainder -> fp32 master: bits = (hi << 16) + rem (int32 wrap).
-ZK_TGT static inline void zk_c_join(const uint16_t* hi, const int16_t* rem, float* out) {
-  for (int i = 0; i < ZK_QBLOCK; i += Q::W)
-    Q::stf(out + i, Q::bf(Q::addi(Q::shl<16>(Q::ld_u16(hi + i)), Q::ld_i16(rem + i))));
+ZK_TGT static inline Q::F zk_c_join1(const uint16_t* hi, const int16_t* rem) {
+  return Q::bf(Q::addi(Q::shl<16>(Q::ld_u16(hi)), Q::ld_i16(rem)));
 }
 
 // fp32 master -> (bf16 = RNE(master), remainder = bits - (hi << 16), the tie 0x8000 kept as 0x7FFF;
 // NaN -> 0x7FC0 / 0).
-ZK_TGT static inline void zk_c_split(const float* p, uint16_t* hi_out, int16_t* rem_out) {
-  for (int i = 0; i < ZK_QBLOCK; i += Q::W) {
-    const Q::F x = Q::ldf(p + i);
-    const Q::I b = Q::bi(x);
-    const Q::I hi = Q::shr<16>(Q::addi(Q::addi(b, Q::set1i(0x7FFF)), Q::andi(Q::shr<16>(b), Q::set1i(1))));
-    const Q::I rem = Q::mini(Q::subi(b, Q::shl<16>(hi)), Q::set1i(0x7FFF));
-    const Q::M nan = Q::isnan(x);
-    Q::st_u16(hi_out + i, Q::seli(nan, Q::set1i(0x7FC0), hi));
-    Q::st_u16(reinterpret_cast<uint16_t*>(rem_out) + i, Q::seli(nan, Q::set1i(0), rem));
-  }
+ZK_TGT static inline void zk_c_split1(Q::F x, uint16_t* hi_out, int16_t* rem_out) {
+  const Q::I b = Q::bi(x);
+  const Q::I hi = Q::shr<16>(Q::addi(Q::addi(b, Q::set1i(0x7FFF)), Q::andi(Q::shr<16>(b), Q::set1i(1))));
+  const Q::I rem = Q::mini(Q::subi(b, Q::shl<16>(hi)), Q::set1i(0x7FFF));
+  const Q::M nan = Q::isnan(x);
+  Q::st_u16(hi_out, Q::seli(nan, Q::set1i(0x7FC0), hi));
+  Q::st_u16(reinterpret_cast<uint16_t*>(rem_out), Q::seli(nan, Q::set1i(0), rem));
 }
 
-// The fused-Adam update in place on the block's buffers p, m, v (reference.fused_adam_ref's
-// operations and order; maximize negates g after the grad scale, as the reference does).
+// The constants of the fused-Adam update (reference.fused_adam_ref) for one tensor.
+struct ZkCConst {
+  V::F gscale, wd, decay, omb1, omb2, b2, eps, bc2, ss;
+  Q::I neg;
+};
+
+ZK_TGT static inline ZkCConst zk_c_const(const ZkCJob& j, const ZkCHyper& h) {
+  return {V::set1(h.gscale), V::set1(h.wd), V::set1(j.decay), V::set1(h.omb1), V::set1(h.omb2),
+          V::set1(h.b2), V::set1(h.eps), V::set1(j.bc2), V::set1(j.step_size),
+          Q::set1i(h.maximize ? 0x80000000u : 0u)};
+}
+
+template <int GT>
+ZK_TGT static inline V::F zk_c_grad(const void* g, int i) {
+  if (GT == ZK_F32) return V::load(static_cast<const float*>(g) + i);
+  if (GT == ZK_BF16) return V::load_bf16(static_cast<const uint16_t*>(g) + i);
+  return V::load_fp16(static_cast<const uint16_t*>(g) + i);
+}
+
+// One vector of the fused-Adam update (reference.fused_adam_ref's operations and order; maximize
+// negates g after the grad scale, as the reference does). Returns sqrt(v) (the 8-bit v code's input).
+template <bool L2>
+ZK_TGT static inline V::F zk_c_update1(const ZkCConst& k, V::F gv, V::F& pv, V::F& mv, V::F& vv) {
+  gv = Q::bf(Q::xori(Q::bi(V::mul(gv, k.gscale)), k.neg));
+  if (L2) gv = V::add(gv, V::mul(k.wd, pv));
+  pv = V::mul(pv, k.decay);
+  mv = V::add(mv, V::mul(k.omb1, V::sub(gv, mv)));
+  vv = V::add(V::mul(k.b2, vv), V::mul(V::mul(k.omb2, gv), gv));
+  const V::F sq = V::sqrt(vv);
+  const V::F denom = V::add(V::div(sq, k.bc2), k.eps);
+  pv = V::sub(pv, V::div(V::mul(k.ss, mv), denom));
+  return sq;
+}
+
+// The fp32 master (or fp32 parameter) and its 16-bit copy, stored.
+ZK_TGT static inline void zk_c_store_master(const ZkCJob& j, const ZkCArrays& a, int i, V::F pv) {
+  V::store(a.master + i, pv);
+  if (j.p16_kind == ZK_BF16) V::store_bf16(static_cast<uint16_t*>(a.p16) + i, pv, false);
+  else if (j.p16_kind == ZK_F16) V::store_fp16(static_cast<uint16_t*>(a.p16) + i, pv, false);
+}
+
+// The general block: master and both moments decoded into fp32 buffers (L1-resident), updated, encoded.
 template <int GT, bool L2>
-ZK_TGT static inline void zk_c_update(const ZkCJob& j, const ZkCHyper& h, const void* g, float* p,
-                                      float* m, float* v) {
-  const V::F gscale = V::set1(h.gscale), wd = V::set1(h.wd), decay = V::set1(j.decay);
-  const V::F omb1 = V::set1(h.omb1), omb2 = V::set1(h.omb2), b2 = V::set1(h.b2);
-  const V::F eps = V::set1(h.eps), bc2 = V::set1(j.bc2), ss = V::set1(j.step_size);
-  const Q::I neg = Q::set1i(h.maximize ? 0x80000000u : 0u);
+ZK_TGT static void zk_c_block_general(const ZkCJob& j, const ZkCHyper& h, const ZkCArrays& a, int n,
+                                      uint32_t idx0) {
+  alignas(64) float bm[ZK_QBLOCK];
+  alignas(64) float bv[ZK_QBLOCK];
+  zk_c_decode(j.m_kind, false, a.m, a.m_scale ? *a.m_scale : 0.0f, bm);
+  zk_c_decode(j.v_kind, true, a.v, a.v_scale ? *a.v_scale : 0.0f, bv);
+  const ZkCConst k = zk_c_const(j, h);
+  const bool rem = j.master_kind == ZK_MASTER_REM;
   for (int i = 0; i < ZK_QBLOCK; i += V::W) {
-    V::F gv;
-    if (GT == ZK_F32) gv = V::load(static_cast<const float*>(g) + i);
-    else if (GT == ZK_BF16) gv = V::load_bf16(static_cast<const uint16_t*>(g) + i);
-    else gv = V::load_fp16(static_cast<const uint16_t*>(g) + i);
-    gv = Q::bf(Q::xori(Q::bi(V::mul(gv, gscale)), neg));
-    V::F pv = V::load(p + i), mv = V::load(m + i), vv = V::load(v + i);
-    if (L2) gv = V::add(gv, V::mul(wd, pv));
-    pv = V::mul(pv, decay);
-    mv = V::add(mv, V::mul(omb1, V::sub(gv, mv)));
-    vv = V::add(V::mul(b2, vv), V::mul(V::mul(omb2, gv), gv));
-    const V::F denom = V::add(V::div(V::sqrt(vv), bc2), eps);
-    pv = V::sub(pv, V::div(V::mul(ss, mv), denom));
-    V::store(p + i, pv);
-    V::store(m + i, mv);
-    V::store(v + i, vv);
+    V::F pv = rem ? zk_c_join1(static_cast<const uint16_t*>(a.p16) + i, a.rem + i) : V::load(a.master + i);
+    V::F mv = V::load(bm + i), vv = V::load(bv + i);
+    zk_c_update1<L2>(k, zk_c_grad<GT>(a.g, i), pv, mv, vv);
+    if (rem) zk_c_split1(pv, static_cast<uint16_t*>(a.p16) + i, a.rem + i);
+    else zk_c_store_master(j, a, i, pv);
+    V::store(bm + i, mv);
+    V::store(bv + i, vv);
   }
+  if (n < ZK_QBLOCK) {  // the padding must not enter the block scales
+    std::memset(bm + n, 0, (ZK_QBLOCK - n) * sizeof(float));
+    std::memset(bv + n, 0, (ZK_QBLOCK - n) * sizeof(float));
+  }
+  zk_c_encode(j.m_kind, false, bm, a.m, a.m_scale, j.m_key, idx0);
+  zk_c_encode(j.v_kind, true, bv, a.v, a.v_scale, j.v_key, idx0);
+}
+
+// Both moments 8-bit (the memory-saving layout): one pass decodes, updates and stores the master,
+// keeping the updated m and sqrt(v) in L1 buffers and their running absmax in registers; a second
+// pass over the buffers writes the codes. The next blocks' arrays are prefetched (the step is
+// compute-heavy per byte: without it the loads of a block wait behind the arithmetic of the last).
+template <int GT, bool L2, bool REM>
+ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCArrays& a, int n) {
+  alignas(64) float bm[ZK_QBLOCK];
+  alignas(64) float bs[ZK_QBLOCK];
+  constexpr int PF = 2 * ZK_QBLOCK;  // prefetch distance: two blocks ahead
+  const uint8_t* mc = static_cast<const uint8_t*>(a.m);
+  const uint8_t* vc = static_cast<const uint8_t*>(a.v);
+  const Q::F mstep = Q::set1f(*a.m_scale / ZK_M8_LEVELS), vstep = Q::set1f(*a.v_scale / ZK_V8_LEVELS);
+  const ZkCConst k = zk_c_const(j, h);
+  const int psize = REM ? 2 : 4;
+  Q::I am = Q::set1i(0), as = Q::set1i(0);
+  for (int i = 0; i < ZK_QBLOCK; i += V::W) {
+    if ((i * 4) % 64 == 0) {  // once per 64 bytes of the widest array
+      __builtin_prefetch(static_cast<const char*>(a.g) + (PF + i) * j.g_size);
+      __builtin_prefetch((REM ? static_cast<const char*>(a.p16) : reinterpret_cast<const char*>(a.master)) +
+                         (PF + i) * psize);
+      if (REM) __builtin_prefetch(reinterpret_cast<const char*>(a.rem) + (PF + i) * 2);
+      else if (a.p16) __builtin_prefetch(static_cast<const char*>(a.p16) + (PF + i) * 2);
+      if (i % 64 == 0) {
+        __builtin_prefetch(mc + PF + i);
+        __builtin_prefetch(vc + PF + i);
+      }
+    }
+    V::F pv = REM ? zk_c_join1(static_cast<const uint16_t*>(a.p16) + i, a.rem + i) : V::load(a.master + i);
+    V::F mv = zk_m8_decode(mc + i, mstep), vv = zk_v8_decode(vc + i, vstep);
+    const V::F sq = zk_c_update1<L2>(k, zk_c_grad<GT>(a.g, i), pv, mv, vv);
+    if (REM) zk_c_split1(pv, static_cast<uint16_t*>(a.p16) + i, a.rem + i);
+    else zk_c_store_master(j, a, i, pv);
+    V::store(bm + i, mv);
+    V::store(bs + i, sq);
+    am = Q::maxi(am, zk_c_absbits(mv));
+    as = Q::maxi(as, zk_c_absbits(sq));
+  }
+  float ms, vs;
+  if (n == ZK_QBLOCK) {
+    ms = zk_c_scale(am);
+    vs = zk_c_scale(as);
+  } else {  // the padding must not enter the block scales (a non-finite grad scale makes it NaN)
+    std::memset(bm + n, 0, (ZK_QBLOCK - n) * sizeof(float));
+    std::memset(bs + n, 0, (ZK_QBLOCK - n) * sizeof(float));
+    ms = zk_q8_absmax(bm);
+    vs = zk_q8_absmax(bs);
+  }
+  *a.m_scale = ms;
+  *a.v_scale = vs;
+  zk_m8_codes(bm, zk_c_inverse(ms, ZK_M8_LEVELS), static_cast<uint8_t*>(a.m));
+  zk_v8_codes(bs, zk_c_inverse(vs, ZK_V8_LEVELS), static_cast<uint8_t*>(a.v));
 }
 
 // One 256-element block whose arrays are given by `a` (the tensors' own memory for a whole block,
 // zero-padded copies for a partial one; n = its real element count, the scales are written to `a`).
 template <int GT, bool L2>
-ZK_TGT static void zk_c_block(const ZkCJob& j, const ZkCHyper& h, const ZkCArrays& a, int n,
-                              uint32_t idx0) {
-  alignas(64) float bp[ZK_QBLOCK];
-  alignas(64) float bm[ZK_QBLOCK];
-  alignas(64) float bv[ZK_QBLOCK];
-  if (j.master_kind == ZK_MASTER_REM) zk_c_join(static_cast<const uint16_t*>(a.p16), a.rem, bp);
-  else std::memcpy(bp, a.master, sizeof bp);
-  zk_c_decode(j.m_kind, a.m, a.m_scale ? *a.m_scale : 0.0f, *h.m_lv, bm);
-  zk_c_decode(j.v_kind, a.v, a.v_scale ? *a.v_scale : 0.0f, *h.v_lv, bv);
-  zk_c_update<GT, L2>(j, h, a.g, bp, bm, bv);
-  if (n < ZK_QBLOCK) {  // the padding must not enter the block scales
-    std::memset(bm + n, 0, (ZK_QBLOCK - n) * sizeof(float));
-    std::memset(bv + n, 0, (ZK_QBLOCK - n) * sizeof(float));
-  }
-  zk_c_encode(j.m_kind, bm, a.m, a.m_scale, *h.m_lv, j.m_key, idx0);
-  zk_c_encode(j.v_kind, bv, a.v, a.v_scale, *h.v_lv, j.v_key, idx0);
-  if (j.master_kind == ZK_MASTER_REM) {
-    zk_c_split(bp, static_cast<uint16_t*>(a.p16), a.rem);
+ZK_TGT static inline void zk_c_block(const ZkCJob& j, const ZkCHyper& h, const ZkCArrays& a, int n,
+                                     uint32_t idx0) {
+  if (j.m_kind == ZK_MK_U8 && j.v_kind == ZK_MK_U8) {
+    if (j.master_kind == ZK_MASTER_REM) zk_c_block_q8<GT, L2, true>(j, h, a, n);
+    else zk_c_block_q8<GT, L2, false>(j, h, a, n);
     return;
   }
-  std::memcpy(a.master, bp, sizeof bp);
-  if (j.p16_kind == ZK_BF16)
-    for (int i = 0; i < ZK_QBLOCK; i += V::W) V::store_bf16(static_cast<uint16_t*>(a.p16) + i, V::load(bp + i), false);
-  else if (j.p16_kind == ZK_F16)
-    for (int i = 0; i < ZK_QBLOCK; i += V::W) V::store_fp16(static_cast<uint16_t*>(a.p16) + i, V::load(bp + i), false);
+  zk_c_block_general<GT, L2>(j, h, a, n, idx0);
 }
 
 // Blocks [b, e) of the block space of all tensors (each tensor's blocks counted from its element 0).

@@ -6,7 +6,7 @@
 // the three paths give the same bits. Include after cpu_vec.h.
 //
 // Per path:  F (W floats), I (W uint32 lanes), M (a lane mask);
-//   loads/stores of fp32, u8, u16 (zero-extended), i16 (sign-extended), stores of the low 8/16 bits;
+//   loads/stores of fp32, u8, u16 (zero-extended), i8, i16 (sign-extended), stores of the low 8/16 bits;
 //   arithmetic; `lookup256` = table[code] (256 fp32 entries); `q8_code` = number of the 255
 //   midpoints strictly below y by an 8-step binary search over per-level tables (ZkLevels), the
 //   same comparisons in every path (a NaN y compares false everywhere: code 0, fixed by the caller).
@@ -57,6 +57,7 @@ struct Q {
   static inline F ldf(const float* p) { return *p; }
   static inline void stf(float* p, F x) { *p = x; }
   static inline I ld_u8(const uint8_t* p) { return *p; }
+  static inline I ld_i8(const uint8_t* p) { return static_cast<I>(static_cast<int32_t>(static_cast<int8_t>(*p))); }
   static inline I ld_u16(const uint16_t* p) { return *p; }
   static inline I ld_i16(const int16_t* p) { return static_cast<I>(static_cast<int32_t>(*p)); }
   static inline void st_u8(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
@@ -69,6 +70,7 @@ struct Q {
   static inline F mul(F a, F b) { return a * b; }
   static inline F div(F a, F b) { return a / b; }
   static inline F sqrt(F a) { return std::sqrt(a); }
+  static inline F ceil(F a) { return std::ceil(a); }
   static inline F i2f(I a) { return static_cast<float>(static_cast<int32_t>(a)); }
   static inline I addi(I a, I b) { return a + b; }
   static inline I subi(I a, I b) { return a - b; }
@@ -111,6 +113,9 @@ struct Q {
   ZK_TGT static inline I ld_u8(const uint8_t* p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   }
+  ZK_TGT static inline I ld_i8(const uint8_t* p) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
   ZK_TGT static inline I ld_u16(const uint16_t* p) {
     return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
@@ -137,6 +142,7 @@ struct Q {
   ZK_TGT static inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   ZK_TGT static inline F div(F a, F b) { return _mm256_div_ps(a, b); }
   ZK_TGT static inline F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  ZK_TGT static inline F ceil(F a) { return _mm256_round_ps(a, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC); }
   ZK_TGT static inline F i2f(I a) { return _mm256_cvtepi32_ps(a); }
   ZK_TGT static inline I addi(I a, I b) { return _mm256_add_epi32(a, b); }
   ZK_TGT static inline I subi(I a, I b) { return _mm256_sub_epi32(a, b); }
@@ -205,6 +211,9 @@ struct Q {
   ZK_TGT static inline I ld_u8(const uint8_t* p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  ZK_TGT static inline I ld_i8(const uint8_t* p) {
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   ZK_TGT static inline I ld_u16(const uint16_t* p) {
     return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
@@ -227,6 +236,7 @@ struct Q {
   ZK_TGT static inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   ZK_TGT static inline F div(F a, F b) { return _mm512_div_ps(a, b); }
   ZK_TGT static inline F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  ZK_TGT static inline F ceil(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC); }
   ZK_TGT static inline F i2f(I a) { return _mm512_cvtepi32_ps(a); }
   ZK_TGT static inline I addi(I a, I b) { return _mm512_add_epi32(a, b); }
   ZK_TGT static inline I subi(I a, I b) { return _mm512_sub_epi32(a, b); }

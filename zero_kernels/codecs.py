@@ -87,7 +87,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .reference import compute_coeffs, fused_adam_ref
+from .reference import compute_coeffs, fused_adam_ref, sqrt_rn
 
 __all__ = [
     "BLOCK", "M32", "fmix32", "sr_key", "sr_bits", "encode_bf16_sr", "encode_bf16_rne",
@@ -255,7 +255,7 @@ def decode_m8(codes: Tensor, scale: Tensor) -> Tensor:
 
 def encode_v8(x: Tensor) -> tuple[Tensor, Tensor]:
     """exp_avg_sq fp32 -> (uint8 codes of sqrt(x) rounded up, shaped like x; fp32 scales of sqrt(x))."""
-    sb, scale = block_absmax(torch.sqrt(x.float()))
+    sb, scale = block_absmax(sqrt_rn(x.float()))    # correctly rounded, as the step's own sqrt
     inv = _inverse(scale, V8_LEVELS)[:, None]
     code = torch.where(inv == 0, 0.0, torch.clamp(torch.ceil(sb * inv), max=V8_LEVELS)).to(torch.uint8)
     return code.reshape(-1)[: x.numel()].view(x.shape), scale
