@@ -214,7 +214,7 @@ def train(kind: str, args, init: dict, data: Markov2, evals: list) -> dict:
     loss_of = lambda xy: F.cross_entropy(fwd(xy[:, :-1]).reshape(-1, args.cfg.vocab), xy[:, 1:].reshape(-1))
     losses, t0 = [], time.perf_counter()
     for s in range(args.steps):
-        loss = loss_of(data.batch(args.batch, args.cfg.seq, seed=10_000 + s))
+        loss = loss_of(data.batch(args.batch, args.cfg.seq, seed=10_000 + s + data.offset))
         loss.backward()
         step(lr_at(s, args.steps, args.lr))
         for p in params.values():
@@ -238,16 +238,19 @@ def main(argv=None) -> None:
     ap.add_argument("--backend", default="auto", choices=["auto", "cpu", "reference", "triton"],
                     help="zk.FusedAdamW backend of the 'ours' rows (auto: cpu where it runs the format, else "
                          "reference)")
+    ap.add_argument("--seed", type=int, default=0, help="offsets the initialisation, chain and batch seeds "
+                    "(0: the README's run)")
     ap.add_argument("--check", action="store_true", help="exit 1 unless every quality target is met")
     ap.add_argument("--tiny", action="store_true", help="the short version: TINY's model and vocabulary "
                     "(tests/test_quality_states.py)")
     args = ap.parse_args(argv)
     args.cfg = TINY if args.tiny else GPTConfig()
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     init = {k: v.detach().clone() for k, v in GPT(args.cfg).named_parameters()}
-    data = Markov2(args.cfg.vocab)
-    evals = [data.batch(32, args.cfg.seq, seed=99 + i) for i in range(4)]
+    data = Markov2(args.cfg.vocab, seed=1234 + args.seed)
+    data.offset = 100_000 * args.seed
+    evals = [data.batch(32, args.cfg.seq, seed=99 + i + data.offset) for i in range(4)]
     kinds = ["torch AdamW fp32", *OURS, "codecs bf16 RNE (control)", *EIGHT_BIT_ANCHORS]
     if args.codebooks:
         kinds += [f"codecs 8-bit m={m} v={v}" for m in ("dynamic_signed", "linear_signed")

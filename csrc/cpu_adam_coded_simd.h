@@ -18,9 +18,9 @@
 
 // ---------------------------------------------------------------- 8-bit moment codes (codecs.py Note 2)
 // Per block: inv = levels / scale, 0 unless finite; codes of m = rint(m * inv) as int8 bits, of v =
-// min(ceil(sqrt(v) * inv), 255); decode with step = scale / levels. Rounding by the magic numbers
-// 1.5 * 2^23 (round half to even, |y| <= 2^22) and 2^23 (an integral y >= 0 to its integer): one
-// fp32 add whose result's low mantissa bits are the integer, exact on every path.
+// rint(sqrt(v) * inv), at least 1 where sqrt(v) > 0; decode with step = scale / levels. rint by the
+// magic number 1.5 * 2^23 (|y| <= 2^22): one fp32 add rounds half to even and leaves the integer in
+// the low mantissa bits, exact on every path.
 constexpr float ZK_M8_LEVELS = 127.0f, ZK_V8_LEVELS = 255.0f;
 
 ZK_TGT static inline float zk_c_inverse(float scale, float levels) {
@@ -47,13 +47,15 @@ ZK_TGT static inline void zk_m8_codes(const float* x, float inv, uint8_t* dst) {
     Q::st_u8(dst + i, Q::subi(Q::bi(Q::add(Q::mul(Q::ldf(x + i), s), magic)), Q::set1i(0x4B400000u)));
 }
 
-// uint8 codes of v (sq: the block's sqrt(v)), given inv.
+// uint8 codes of v (sq: the block's sqrt(v) >= 0), given inv: rint(sq * inv) <= 255, at least 1
+// where sq > 0 (as int32 bits: the positive non-zero floats).
 ZK_TGT static inline void zk_v8_codes(const float* sq, float inv, uint8_t* dst) {
   if (inv == 0.0f) { std::memset(dst, 0, ZK_QBLOCK); return; }
-  const Q::F s = Q::set1f(inv), two23 = Q::set1f(8388608.0f);
+  const Q::F s = Q::set1f(inv), magic = Q::set1f(12582912.0f);
   for (int i = 0; i < ZK_QBLOCK; i += Q::W) {
-    const Q::I c = Q::subi(Q::bi(Q::add(Q::ceil(Q::mul(Q::ldf(sq + i), s)), two23)), Q::set1i(0x4B000000u));
-    Q::st_u8(dst + i, Q::mini(c, Q::set1i(255)));
+    const Q::F x = Q::ldf(sq + i);
+    const Q::I c = Q::subi(Q::bi(Q::add(Q::mul(x, s), magic)), Q::set1i(0x4B400000u));
+    Q::st_u8(dst + i, Q::seli(Q::gti(Q::bi(x), Q::set1i(0)), Q::maxi(c, Q::set1i(1)), c));
   }
 }
 

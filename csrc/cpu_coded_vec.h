@@ -70,7 +70,6 @@ struct Q {
   static inline F mul(F a, F b) { return a * b; }
   static inline F div(F a, F b) { return a / b; }
   static inline F sqrt(F a) { return std::sqrt(a); }
-  static inline F ceil(F a) { return std::ceil(a); }
   static inline F i2f(I a) { return static_cast<float>(static_cast<int32_t>(a)); }
   static inline I addi(I a, I b) { return a + b; }
   static inline I subi(I a, I b) { return a - b; }
@@ -142,7 +141,6 @@ struct Q {
   ZK_TGT static inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   ZK_TGT static inline F div(F a, F b) { return _mm256_div_ps(a, b); }
   ZK_TGT static inline F sqrt(F a) { return _mm256_sqrt_ps(a); }
-  ZK_TGT static inline F ceil(F a) { return _mm256_round_ps(a, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC); }
   ZK_TGT static inline F i2f(I a) { return _mm256_cvtepi32_ps(a); }
   ZK_TGT static inline I addi(I a, I b) { return _mm256_add_epi32(a, b); }
   ZK_TGT static inline I subi(I a, I b) { return _mm256_sub_epi32(a, b); }
@@ -236,7 +234,6 @@ struct Q {
   ZK_TGT static inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   ZK_TGT static inline F div(F a, F b) { return _mm512_div_ps(a, b); }
   ZK_TGT static inline F sqrt(F a) { return _mm512_sqrt_ps(a); }
-  ZK_TGT static inline F ceil(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC); }
   ZK_TGT static inline F i2f(I a) { return _mm512_cvtepi32_ps(a); }
   ZK_TGT static inline I addi(I a, I b) { return _mm512_add_epi32(a, b); }
   ZK_TGT static inline I subi(I a, I b) { return _mm512_sub_epi32(a, b); }
