@@ -18,7 +18,7 @@
 
 // ---------------------------------------------------------------- 8-bit moment codes (codecs.py Note 2)
 // Per block: inv = levels / scale, 0 unless finite; codes of m = rint(m * inv) as int8 bits, of v =
-// rint(sqrt(v) * inv), at least 1 where sqrt(v) > 0; decode with step = scale / levels. rint by the
+// rint(v^(1/4) * inv), at least 1 where v > 0; decode with step = scale / levels. rint by the
 // magic number 1.5 * 2^23 (|y| <= 2^22): one fp32 add rounds half to even and leaves the integer in
 // the low mantissa bits, exact on every path.
 constexpr float ZK_M8_LEVELS = 127.0f, ZK_V8_LEVELS = 255.0f;
@@ -47,13 +47,13 @@ ZK_TGT static inline void zk_m8_codes(const float* x, float inv, uint8_t* dst) {
     Q::st_u8(dst + i, Q::subi(Q::bi(Q::add(Q::mul(Q::ldf(x + i), s), magic)), Q::set1i(0x4B400000u)));
 }
 
-// uint8 codes of v (sq: the block's sqrt(v) >= 0), given inv: rint(sq * inv) <= 255, at least 1
-// where sq > 0 (as int32 bits: the positive non-zero floats).
-ZK_TGT static inline void zk_v8_codes(const float* sq, float inv, uint8_t* dst) {
+// uint8 codes of v (r: the block's v^(1/4) >= 0), given inv: rint(r * inv) <= 255, at least 1
+// where r > 0 (as int32 bits: the positive non-zero floats).
+ZK_TGT static inline void zk_v8_codes(const float* r, float inv, uint8_t* dst) {
   if (inv == 0.0f) { std::memset(dst, 0, ZK_QBLOCK); return; }
   const Q::F s = Q::set1f(inv), magic = Q::set1f(12582912.0f);
   for (int i = 0; i < ZK_QBLOCK; i += Q::W) {
-    const Q::F x = Q::ldf(sq + i);
+    const Q::F x = Q::ldf(r + i);
     const Q::I c = Q::subi(Q::bi(Q::add(Q::mul(x, s), magic)), Q::set1i(0x4B400000u));
     Q::st_u8(dst + i, Q::seli(Q::gti(Q::bi(x), Q::set1i(0)), Q::maxi(c, Q::set1i(1)), c));
   }
@@ -62,7 +62,8 @@ ZK_TGT static inline void zk_v8_codes(const float* sq, float inv, uint8_t* dst) 
 ZK_TGT static inline Q::F zk_m8_decode(const uint8_t* c, Q::F step) { return Q::mul(Q::i2f(Q::ld_i8(c)), step); }
 ZK_TGT static inline Q::F zk_v8_decode(const uint8_t* c, Q::F step) {
   const Q::F d = Q::mul(Q::i2f(Q::ld_u8(c)), step);
-  return Q::mul(d, d);
+  const Q::F d2 = Q::mul(d, d);
+  return Q::mul(d2, d2);
 }
 
 // fp32 <- stored moment (kind ZK_MK_*; V: exp_avg_sq's codes), 256 elements.
@@ -112,7 +113,7 @@ ZK_TGT static inline Q::I zk_c_fmix32(Q::I h) {
 }
 
 // fp32 -> stored moment, 256 elements (V_: exp_avg_sq); writes the block's scale for the blockwise
-// kinds. x may be overwritten (the 8-bit v code takes its square root in place).
+// kinds. x may be overwritten (the 8-bit v code takes its fourth root in place).
 // idx0: flat index of the block's element 0 (mod 2^32) for the stochastic-rounding bits.
 ZK_TGT static inline void zk_c_encode(int kind, bool V_, float* x, void* dst, float* scale_out, uint32_t key,
                                       uint32_t idx0) {
@@ -133,7 +134,7 @@ ZK_TGT static inline void zk_c_encode(int kind, bool V_, float* x, void* dst, fl
     }
     case ZK_MK_U8: {
       if (V_)
-        for (int i = 0; i < ZK_QBLOCK; i += Q::W) Q::stf(x + i, Q::sqrt(Q::ldf(x + i)));
+        for (int i = 0; i < ZK_QBLOCK; i += Q::W) Q::stf(x + i, Q::sqrt(Q::sqrt(Q::ldf(x + i))));
       const float scale = zk_q8_absmax(x);
       *scale_out = scale;
       if (V_) zk_v8_codes(x, zk_c_inverse(scale, ZK_V8_LEVELS), static_cast<uint8_t*>(dst));
@@ -197,7 +198,7 @@ ZK_TGT static inline V::F zk_c_grad(const void* g, int i) {
 }
 
 // One vector of the fused-Adam update (reference.fused_adam_ref's operations and order; maximize
-// negates g after the grad scale, as the reference does). Returns sqrt(v) (the 8-bit v code's input).
+// negates g after the grad scale, as the reference does). Returns sqrt(v) (the 8-bit v code takes its root).
 template <bool L2>
 ZK_TGT static inline V::F zk_c_update1(const ZkCConst& k, V::F gv, V::F& pv, V::F& mv, V::F& vv) {
   gv = Q::bf(Q::xori(Q::bi(V::mul(gv, k.gscale)), k.neg));
@@ -246,7 +247,7 @@ ZK_TGT static void zk_c_block_general(const ZkCJob& j, const ZkCHyper& h, const 
 }
 
 // Both moments 8-bit (the memory-saving layout): one pass decodes, updates and stores the master,
-// keeping the updated m and sqrt(v) in L1 buffers and their running absmax in registers; a second
+// keeping the updated m and v^(1/4) in L1 buffers and their running absmax in registers; a second
 // pass over the buffers writes the codes. The next blocks' arrays are prefetched (the step is
 // compute-heavy per byte: without it the loads of a block wait behind the arithmetic of the last).
 template <int GT, bool L2, bool REM>
@@ -274,7 +275,7 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
     }
     V::F pv = REM ? zk_c_join1(static_cast<const uint16_t*>(a.p16) + i, a.rem + i) : V::load(a.master + i);
     V::F mv = zk_m8_decode(mc + i, mstep), vv = zk_v8_decode(vc + i, vstep);
-    const V::F sq = zk_c_update1<L2>(k, zk_c_grad<GT>(a.g, i), pv, mv, vv);
+    const V::F sq = V::sqrt(zk_c_update1<L2>(k, zk_c_grad<GT>(a.g, i), pv, mv, vv));  // v^(1/4)
     if (REM) zk_c_split1(pv, static_cast<uint16_t*>(a.p16) + i, a.rem + i);
     else zk_c_store_master(j, a, i, pv);
     V::store(bm + i, mv);

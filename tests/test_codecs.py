@@ -168,6 +168,104 @@ def test_q8_zero_and_nan_blocks():
     assert bool(torch.isnan(dq[256:512]).all())                         # a NaN poisons its block, only
 
 
+# ---------------------------------------------------------------- 8-bit moments (Note 2)
+def check_m8(x, codes, scale):
+    """Raises AssertionError unless (codes, scale) is THE 8-bit code of exp_avg x, checked from its
+    properties: scale = blockwise absmax; each int8 code the nearest integer to 127 x / scale (a tie:
+    either; 1e-5 of slack for the fp32 rounding of the product); decode within half a step."""
+    n, nb = x.numel(), -(-x.numel() // C.BLOCK)
+    assert codes.dtype == U8 and codes.shape == x.shape and scale.shape == (nb,) and scale.dtype == torch.float32
+    xf = x.reshape(-1).double()
+    want = torch.stack([x.reshape(-1)[i * C.BLOCK:(i + 1) * C.BLOCK].abs().max() for i in range(nb)])
+    assert torch.equal(scale, want), "block scale is not the block's absmax"
+    s = scale.double().repeat_interleave(C.BLOCK)[:n]
+    y = torch.where(s == 0, 0.0, 127 * xf / s)
+    c = codes.reshape(-1).view(torch.int8).double()
+    assert bool(((c - y).abs() <= 0.5 + 1e-5).all()), "codes are not the nearest integer of 127 x / scale"
+    dq = C.decode_m8(codes, scale).reshape(-1).double()
+    assert bool(((dq - xf).abs() <= (0.5 + 1e-5) * s / 127 + 1e-7 * xf.abs()).all()), "decoded off by > half a step"
+
+
+def check_v8(x, codes, scale):
+    """As check_m8 for exp_avg_sq: codes of x^(1/4) on 255 levels, nearest, a nonzero x never code 0."""
+    n, nb = x.numel(), -(-x.numel() // C.BLOCK)
+    assert codes.dtype == U8 and codes.shape == x.shape and scale.shape == (nb,)
+    r = x.reshape(-1).double().sqrt().sqrt()
+    want = torch.stack([r[i * C.BLOCK:(i + 1) * C.BLOCK].max() for i in range(nb)]).float()
+    assert bool(((scale.double() - want.double()).abs() <= 2**-23 * want.double()).all()), \
+        "block scale is not the block's max v^(1/4)"     # two correctly rounded fp32 sqrts: within 1 ulp
+    s = scale.double().repeat_interleave(C.BLOCK)[:n]
+    y = torch.where(s == 0, 0.0, 255 * r / s)
+    c = codes.reshape(-1).double()
+    near = (c - y).abs() <= 0.5 + 1e-5
+    assert bool((near | ((c == 1) & (y < 0.5) & (r > 0))).all()), "codes are not the nearest integer of 255 v^(1/4) / scale"
+    assert bool(((c > 0) | (r == 0)).all()), "a nonzero v took code 0"
+    dq = C.decode_v8(codes, scale).reshape(-1).double()
+    tol = torch.where(c == 1, 1.00001 * s / 255, (0.5 + 1e-5) * s / 255) + 1e-7 * r   # code 1: one step (raised)
+    assert bool(((dq.sqrt().sqrt() - r).abs() <= tol).all()), "decoded off by > half a step"
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_m8_v8_match_definition(n):
+    x = torch.randn(n, generator=gen(70 + n)) * torch.logspace(-6, 0, n) ** 2    # moments span decades
+    codes, scale = C.encode_m8(x)
+    check_m8(x, codes, scale)
+    v = x * x
+    codes, scale = C.encode_v8(v)
+    check_v8(v, codes, scale)
+    if n > C.BLOCK and n % C.BLOCK:                       # the partial last block has its own scale
+        assert float(scale[-1]) == float(C.sqrt_rn(C.sqrt_rn(v[(n // C.BLOCK) * C.BLOCK:].max())))
+
+
+def test_m8_v8_ties_round_half_even():
+    """127 x / scale exactly k + 1/2 (x a multiple of 2^-7 of a power-of-two scale... scale 127 makes
+    y = x): ties go to the even integer, both codes."""
+    x = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.0])
+    codes, _ = C.encode_m8(x)
+    assert codes.view(torch.int8).tolist() == [127, 0, 2, 2, 0, -2, -2, 3]
+    s = torch.tensor([255.0, 0.5, 1.5, 2.5, 0.25, 0.0])                  # fourth-root domain: y = s
+    codes, _ = C.encode_v8((s * s) * (s * s))
+    assert codes.tolist() == [255, 1, 2, 2, 1, 0]                          # 0.5 -> 0 -> raised to 1; 0.25 -> 1
+
+
+def test_m8_v8_negative_controls():
+    """The checks reject a wrong scale, codes made with a wrong scale, and v rounded up (the rejected
+    variant of the code) or to zero."""
+    x = torch.randn(1000, generator=gen(4))
+    codes, scale = C.encode_m8(x)
+    check_m8(x, codes, scale)
+    with pytest.raises(AssertionError, match="absmax"):
+        check_m8(x, codes, scale * 1.01)
+    bad = torch.round(127 * x / (scale * 1.05).repeat_interleave(C.BLOCK)[:1000]).to(torch.int8).view(U8)
+    with pytest.raises(AssertionError, match="nearest"):
+        check_m8(x, bad, scale)
+    v = x * x * torch.logspace(-16, 0, 1000)
+    codes, scale = C.encode_v8(v)
+    check_v8(v, codes, scale)
+    y = 255 * C.sqrt_rn(C.sqrt_rn(v)) / scale.repeat_interleave(C.BLOCK)[:1000]
+    with pytest.raises(AssertionError, match="nearest"):
+        check_v8(v, torch.ceil(y).clamp(max=255).to(U8), scale)
+    with pytest.raises(AssertionError, match="code 0"):
+        check_v8(v, torch.round(y).to(U8), scale)
+
+
+def test_m8_v8_zero_nan_inf_and_tiny_blocks():
+    x = torch.zeros(1100)
+    x[300], x[600], x[900] = float("nan"), float("inf"), 1e-45           # blocks 1, 2, 3 (tiny scale)
+    x[1050] = 1e-3
+    for enc, dec, xx in ((C.encode_m8, C.decode_m8, x), (C.encode_v8, C.decode_v8, x.abs())):
+        codes, scale = enc(xx)
+        assert scale[1].view(torch.int32) == 0x7FC00000                   # the canonical NaN
+        dq = dec(codes, scale)
+        assert torch.equal(dq[:256], torch.zeros(256)) and torch.equal(codes[:256], torch.zeros(256, dtype=U8))
+        assert bool(torch.isnan(dq[256:768]).all())                         # a NaN or inf poisons its block, only
+        if enc is C.encode_m8:                                              # 127 / 1e-45 overflows: all codes 0
+            assert torch.equal(codes[768:1024], torch.zeros(256, dtype=U8))
+        else:                                                               # (1e-45)^(1/4) is not tiny
+            assert int(codes[900]) == 255 and float(dq[900]) > 0
+        assert float(dq[1050]) > 0 and bool(torch.isfinite(dq[1024:]).all())
+
+
 @pytest.mark.parametrize("n", SIZES)
 def test_f8_matches_definition(n):
     x = torch.randn(n, generator=gen(40 + n)) * torch.logspace(-3, 0, n)
@@ -367,8 +465,6 @@ def test_small_tensors_keep_fp32_and_bad_arguments_raise():
         C.init_coded_state(torch.zeros(3), store_param_remainders=True)
     with pytest.raises(ValueError, match="exp_avg_dtype"):
         C.init_coded_state(torch.zeros(3), exp_avg_dtype=torch.float16)
-    with pytest.raises(ValueError, match="m_code"):
-        C.init_coded_state(torch.zeros(3), m_code="sqrt_unsigned")
     with pytest.raises(ValueError, match="bf16_rounding"):
         C.adam_step_coded(torch.zeros(3), torch.zeros(3), C.init_coded_state(torch.zeros(3)), bf16_rounding="up", **HP[0])
 
