@@ -5,6 +5,9 @@ never with a float cast whose rounding differs between the interpreter (numpy tr
 and a GPU: the interpreter's bits are the GPU's, and both are the reference's.
 Element ``x`` of a 2-D block is element ``offs`` of its tensor; rows are the 256-element quantization
 blocks (``QBLOCK``), so a row reduction is a block's absmax.
+Two 8-bit codecs live here: the arithmetic moment codec of the coded-state kernel (``encode_m8`` /
+``decode_m8``, ``encode_v8`` / ``decode_v8``, [Note: state codecs] 2) and the table codec of the ZeRO++
+wire (``encode_q8`` / ``decode_q8``, kernels/quant.py).
 """
 from __future__ import annotations
 
@@ -13,6 +16,10 @@ import triton.language as tl
 
 QBLOCK = tl.constexpr(256)      # codecs.BLOCK: elements per block scale
 F8_MAX = tl.constexpr(448.0)    # codecs.F8_MAX: largest finite float8_e4m3fn
+M8_LEVELS = tl.constexpr(127.0)     # codecs.M8_LEVELS: exp_avg codes -127..127
+V8_LEVELS = tl.constexpr(255.0)     # codecs.V8_LEVELS: exp_avg_sq codes 0..255 of sqrt(v)
+RNE_MAGIC = tl.constexpr(12582912.0)    # 1.5 * 2^23: y + RNE_MAGIC lies in [2^23, 2^24) for |y| <= 2^22
+RNE_MAGIC_BITS = tl.constexpr(0x4B400000)   # its fp32 bits
 
 
 @triton.jit
@@ -74,9 +81,62 @@ def scaled(x, scale):
 
 
 @triton.jit
+def _inverse(scale, LEVELS: tl.constexpr):
+    """LEVELS / scale per row (IEEE division), 0 unless finite (codecs._inverse: scale 0, inf, NaN, tiny).
+    The test is on the bits (exponent not all ones), so no fp32 constant is involved."""
+    inv = tl.div_rn(tl.full(scale.shape, LEVELS, tl.float32), scale)
+    finite = (inv.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) < 0x7F800000
+    return tl.where(finite, inv, 0.0)
+
+
+@triton.jit
+def encode_m8(x, mask):
+    """exp_avg tile -> (uint8 tile of int8 codes, fp32 scale per row): codecs.encode_m8. The scale is the
+    row's absmax over the unmasked lanes; code = round_half_even(x * (127 / scale)), 0 where that
+    inverse is not finite. Rounding: y + 1.5 * 2^23 lands in [2^23, 2^24), where the fp32 ulp is 1, so the
+    IEEE add rounds y to the nearest integer, ties to even (torch.round), and the integer is the bits
+    minus the magic's bits (|y| <= 127 + a rounding; masked lanes hold whatever the update made of 0)."""
+    scale = block_absmax(x, mask)
+    inv = _inverse(scale, M8_LEVELS)[:, None]
+    y = tl.where(inv == 0.0, 0.0, x * inv)       # no NaN / inf reaches the rounding
+    code = (y + RNE_MAGIC).to(tl.int32, bitcast=True) - RNE_MAGIC_BITS
+    return (code & 0xFF).to(tl.uint8), scale
+
+
+@triton.jit
+def decode_m8(code, scale):
+    """(uint8 tile of int8 codes, fp32 scale of each element's block, same shape or broadcastable) -> fp32
+    exp_avg: float(int8 code) * (scale / 127), IEEE division, then one multiply (codecs.decode_m8)."""
+    return code.to(tl.int8, bitcast=True).to(tl.float32) * tl.div_rn(scale, M8_LEVELS)
+
+
+@triton.jit
+def encode_v8(s, mask):
+    """sqrt(exp_avg_sq) tile (the update's IEEE square root) -> (uint8 codes, fp32 scale of sqrt(v) per row):
+    codecs.encode_v8. code = min(ceil(s * (255 / scale)), 255), 0 where that inverse is not finite. The
+    ceiling is taken on integers (y >= 0: truncate, add 1 if that lost a fraction), because tl.ceil compiles
+    to cvt.rpi.ftz, which would round a subnormal y up to 0 instead of 1; the clamp too (s == scale may
+    give 255 * (1 + 2^-24) -> 256)."""
+    scale = block_absmax(s, mask)
+    inv = _inverse(scale, V8_LEVELS)[:, None]
+    y = tl.where(inv == 0.0, 0.0, s * inv)        # in [0, 255 + a rounding]: no NaN, inf or negative value
+    t = y.to(tl.int32)
+    code = tl.minimum(t + (t.to(tl.float32) < y).to(tl.int32), 255)
+    return code.to(tl.uint8), scale
+
+
+@triton.jit
+def decode_v8(code, scale):
+    """(uint8 codes, fp32 scale of sqrt(v) of each element's block) -> fp32 exp_avg_sq = d * d with
+    d = float(code) * (scale / 255) (codecs.decode_v8)."""
+    d = code.to(tl.float32) * tl.div_rn(scale, V8_LEVELS)
+    return d * d
+
+
+@triton.jit
 def encode_q8(y, mid_ptr):
-    """Code of y (already divided by its scale): the number of the 255 midpoints strictly below y (an
-    8-step branchless binary search), 255 for NaN (torch.bucketize)."""
+    """Wire codec (kernels/quant.py; codecs.encode_q8). Code of y (already divided by its scale): the number
+    of the 255 midpoints strictly below y (an 8-step branchless binary search), 255 for NaN (torch.bucketize)."""
     code = tl.zeros(y.shape, dtype=tl.int32)
     for b in tl.static_range(7, -1, -1):
         step = 1 << b
@@ -87,6 +147,7 @@ def encode_q8(y, mid_ptr):
 
 @triton.jit
 def decode_q8(code, scale, table_ptr):
+    """Wire codec decode: table[code] * scale (one fp32 multiply; codecs.decode_q8)."""
     return tl.load(table_ptr + code.to(tl.int32)) * scale
 
 

@@ -53,7 +53,9 @@ def adam_update(p, g, m, v, vmax, step_size, bc2_sqrt, decay, grad_scale,
                  HAS_GRAD_SCALE: tl.constexpr, ADAMW: tl.constexpr, AMSGRAD: tl.constexpr,
                  MAXIMIZE: tl.constexpr):
     """One element's Adam/AdamW update in fp32: the operations of reference.fused_adam_ref, in
-    its order, each rounded once ([Note: interpreter bits are GPU bits] in _multi_tensor.py)."""
+    its order, each rounded once ([Note: interpreter bits are GPU bits] in _multi_tensor.py).
+    Returns (p, m, v, vmax, root): root = sqrt(v) (sqrt(vmax) under AMSGRAD), the denominator's
+    square root, which the coded kernel reuses to encode an 8-bit exp_avg_sq."""
     if HAS_GRAD_SCALE:
         g = g * grad_scale
     if MAXIMIZE:
@@ -67,11 +69,12 @@ def adam_update(p, g, m, v, vmax, step_size, bc2_sqrt, decay, grad_scale,
     v = beta2 * v + one_minus_beta2 * g * g
     if AMSGRAD:
         vmax = tl.maximum(vmax, v, propagate_nan=tl.PropagateNan.ALL)   # torch.maximum
-        denom = tl.div_rn(tl.sqrt_rn(vmax), bc2_sqrt) + eps
+        root = tl.sqrt_rn(vmax)
     else:
-        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        root = tl.sqrt_rn(v)
+    denom = tl.div_rn(root, bc2_sqrt) + eps
     p = p - tl.div_rn(step_size * m, denom)
-    return p, m, v, vmax
+    return p, m, v, vmax, root
 
 
 @triton.jit
@@ -94,9 +97,9 @@ def _adam_block(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, offs, mas
         m = tl.load(m_ptr + offs)
         v = tl.load(v_ptr + offs)
         vmax = tl.load(vmax_ptr + offs) if AMSGRAD else v
-    p, m, v, vmax = adam_update(p, g, m, v, vmax, step_size, bc2_sqrt, decay, grad_scale,
-                                 one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
-                                 HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE)
+    p, m, v, vmax, _ = adam_update(p, g, m, v, vmax, step_size, bc2_sqrt, decay, grad_scale,
+                                    one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+                                    HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE)
     if P16_KIND == 1:
         p16 = round_bf16_bits(p)
     else:

@@ -12,8 +12,11 @@ compiled variants also convert some arrays between the tile's layout and their a
 4 KB of shared memory in all, bounded by tests/test_codegen.py's max_shared; removing the conversions
 is open work, as is wider access to the uint8 codes).
 State kinds (constexprs): MASTER_KIND 0 = an fp32 master (or the fp32 parameter), 1 = bf16 parameter +
-int16 remainder; M_KIND / V_KIND 0 = fp32, 1 = bf16 stochastic rounding, 2 = uint8 code book, 3 =
-float8_e4m3fn; both blockwise kinds read and write an fp32 scale per block.
+int16 remainder; M_KIND / V_KIND 0 = fp32, 1 = bf16 stochastic rounding, 2 = uint8 (the arithmetic 8-bit
+moment codec: int8 codes of m rounded to nearest, codes of sqrt(v) rounded up; no table, no search),
+3 = float8_e4m3fn; both blockwise kinds read and write an fp32 scale per block. An 8-bit exp_avg_sq is
+encoded from the update's own sqrt(v) (adam.adam_update returns it, ``tl.sqrt_rn``): codecs.encode_v8
+takes the same correctly rounded square root of the new v (reference.sqrt_rn).
 """
 from __future__ import annotations
 
@@ -22,10 +25,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .._coded_host import CodedEntry, books, prepare
+from .._coded_host import CodedEntry, prepare
 from ..reference import moment_coeffs
-from ._codecs import (F8_MAX, QBLOCK, block_absmax, decode_bf16, decode_f8, decode_q8, encode_bf16_sr, encode_f8,
-                      encode_q8, join_remainder, ld, scaled, split_remainder, st)
+from ._codecs import (F8_MAX, QBLOCK, block_absmax, decode_bf16, decode_f8, decode_m8, decode_v8, encode_bf16_sr,
+                      encode_f8, encode_m8, encode_v8, join_remainder, ld, scaled, split_remainder, st)
 from ._multi_tensor import chunk_map, device_guard, pointer_table, program_chunk, round_bf16_bits, upload
 from .adam import LAUNCH_OPTIONS, adam_update
 
@@ -45,9 +48,10 @@ def _ptr(address, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _load_moment(ptr, scale_ptr, table_ptr, offs, mask, MASKED: tl.constexpr, KIND: tl.constexpr,
+def _load_moment(ptr, scale_ptr, offs, mask, MASKED: tl.constexpr, KIND: tl.constexpr, SQ: tl.constexpr,
                  ALIGNED: tl.constexpr):
-    """Decode one moment of the tile to fp32 (KIND: see [Note: the coded kernel])."""
+    """Decode one moment of the tile to fp32 (KIND: see [Note: the coded kernel]; SQ: exp_avg_sq, whose
+    8-bit code is of sqrt(v))."""
     if KIND == 0:
         return ld(_ptr(ptr, tl.float32, ALIGNED), offs, mask, MASKED)
     elif KIND == 1:
@@ -56,26 +60,31 @@ def _load_moment(ptr, scale_ptr, table_ptr, offs, mask, MASKED: tl.constexpr, KI
         code = ld(_ptr(ptr, tl.uint8, ALIGNED), offs, mask, MASKED)
         scale = ld(scale_ptr.to(tl.pointer_type(tl.float32)), offs // QBLOCK, mask, MASKED)
         if KIND == 2:
-            return decode_q8(code, scale, table_ptr)
+            if SQ:
+                return decode_v8(code, scale)
+            else:
+                return decode_m8(code, scale)
         else:
             return decode_f8(code) * scale
 
 
 @triton.jit
-def _store_moment(x, ptr, scale_ptr, mid_ptr, offs, mask, rows, index_offset, key,
-                  MASKED: tl.constexpr, KIND: tl.constexpr, ALIGNED: tl.constexpr):
-    """Encode one updated moment of the tile and store it (with its new block scales)."""
+def _store_moment(x, root, ptr, scale_ptr, offs, mask, rows, index_offset, key,
+                  MASKED: tl.constexpr, KIND: tl.constexpr, SQ: tl.constexpr, ALIGNED: tl.constexpr):
+    """Encode one updated moment of the tile and store it (with its new block scales). ``root``: sqrt(x),
+    used by the 8-bit exp_avg_sq code (SQ) only."""
     if KIND == 0:
         st(_ptr(ptr, tl.float32, ALIGNED), offs, x, mask, MASKED)
     elif KIND == 1:
         st(_ptr(ptr, tl.uint16, ALIGNED), offs, encode_bf16_sr(x, offs, index_offset, key), mask, MASKED)
     else:
-        scale = block_absmax(x, mask)
         if KIND == 3:
-            scale = tl.div_rn(scale, F8_MAX)
+            scale = tl.div_rn(block_absmax(x, mask), F8_MAX)
             code = encode_f8(scaled(x, scale))
+        elif SQ:
+            code, scale = encode_v8(root, mask)
         else:
-            code = encode_q8(scaled(x, scale), mid_ptr)
+            code, scale = encode_m8(x, mask)
         st(_ptr(ptr, tl.uint8, ALIGNED), offs, code, mask, MASKED)
         row_mask = tl.max(mask.to(tl.int32), axis=1) > 0
         st(scale_ptr.to(tl.pointer_type(tl.float32)), rows, scale, row_mask, MASKED)
@@ -83,7 +92,7 @@ def _store_moment(x, ptr, scale_ptr, mid_ptr, offs, mask, rows, index_offset, ke
 
 @triton.jit
 def _coded_tile(row, offs, mask, rows, step_size, bc2_sqrt, decay, grad_scale, m_key, v_key, index_offset,
-                m_table, m_mid, v_table, v_mid, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+                one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
                 GRAD_DTYPE: tl.constexpr, P16_KIND: tl.constexpr, MASTER_KIND: tl.constexpr,
                 M_KIND: tl.constexpr, V_KIND: tl.constexpr, MASKED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
                 ADAMW: tl.constexpr, MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr):
@@ -98,14 +107,15 @@ def _coded_tile(row, offs, mask, rows, step_size, bc2_sqrt, decay, grad_scale, m
     else:
         p = ld(master_ptr, offs, mask, MASKED)
     g = ld(grad_ptr, offs, mask, MASKED).to(tl.float32)
-    m = _load_moment(tl.load(row + 2), tl.load(row + 4), m_table, offs, mask, MASKED, M_KIND, ALIGNED)
-    v = _load_moment(tl.load(row + 3), tl.load(row + 5), v_table, offs, mask, MASKED, V_KIND, ALIGNED)
-    p, m, v, _ = adam_update(p, g, m, v, v, step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2,
-                             one_minus_beta2, eps, weight_decay, HAS_GRAD_SCALE, ADAMW, False, MAXIMIZE)
-    _store_moment(m, tl.load(row + 2), tl.load(row + 4), m_mid, offs, mask, rows, index_offset, m_key, MASKED,
-                  M_KIND, ALIGNED)
-    _store_moment(v, tl.load(row + 3), tl.load(row + 5), v_mid, offs, mask, rows, index_offset, v_key, MASKED,
-                  V_KIND, ALIGNED)
+    m = _load_moment(tl.load(row + 2), tl.load(row + 4), offs, mask, MASKED, M_KIND, False, ALIGNED)
+    v = _load_moment(tl.load(row + 3), tl.load(row + 5), offs, mask, MASKED, V_KIND, True, ALIGNED)
+    p, m, v, _, root = adam_update(p, g, m, v, v, step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1,
+                                   beta2, one_minus_beta2, eps, weight_decay, HAS_GRAD_SCALE, ADAMW, False,
+                                   MAXIMIZE)
+    _store_moment(m, root, tl.load(row + 2), tl.load(row + 4), offs, mask, rows, index_offset, m_key, MASKED,
+                  M_KIND, False, ALIGNED)
+    _store_moment(v, root, tl.load(row + 3), tl.load(row + 5), offs, mask, rows, index_offset, v_key, MASKED,
+                  V_KIND, True, ALIGNED)
     if MASTER_KIND == 1:
         hi, rem = split_remainder(p)
         st(p16_ptr, offs, hi, mask, MASKED)
@@ -126,10 +136,6 @@ def fused_adam_coded_kernel(
     keys,             # int64 [T, 3]: SR key of exp_avg, SR key of exp_avg_sq (codecs.sr_key, uint32), flat index of element 0
     chunk_tensor,     # int32 [n_programs]: the tensor program pid works on
     chunk_start,      # int64 [n_programs]: first element of program pid's chunk (a multiple of BLOCK_SIZE)
-    m_table,          # fp32 [256]: exp_avg code book (M_KIND 2)
-    m_mid,            # fp32 [255]: its midpoints
-    v_table,          # fp32 [256]: exp_avg_sq code book (V_KIND 2)
-    v_mid,            # fp32 [255]: its midpoints
     grad_scale_ptr,   # fp32 [1]: gradient multiplier; read iff HAS_GRAD_SCALE
     found_inf_ptr,    # fp32 [1]: nonzero -> the whole step writes nothing; read iff HAS_FOUND_INF
     one_minus_beta1,  # fp32 scalar: 1 - beta1 (computed in double on the host)
@@ -140,12 +146,12 @@ def fused_adam_coded_kernel(
     GRAD_DTYPE: tl.constexpr,      # tl.float32 / tl.bfloat16 / tl.float16
     P16_KIND: tl.constexpr,        # 0: none, 1: bf16 (RNE bits, or the remainder's high half), 2: fp16
     MASTER_KIND: tl.constexpr,     # 0: fp32 master, 1: bf16 parameter + int16 remainder
-    M_KIND: tl.constexpr,          # exp_avg format: 0 fp32, 1 bf16 SR, 2 uint8, 3 float8_e4m3fn
-    V_KIND: tl.constexpr,          # exp_avg_sq format, as M_KIND
-    HAS_GRAD_SCALE: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr,
-    ADAMW: tl.constexpr,
-    MAXIMIZE: tl.constexpr,
+    M_KIND: tl.constexpr,          # exp_avg format: 0 fp32, 1 bf16 SR, 2 uint8 (int8 codes), 3 float8_e4m3fn
+    V_KIND: tl.constexpr,          # exp_avg_sq format, as M_KIND (2: uint8 codes of sqrt(v), rounded up)
+    HAS_GRAD_SCALE: tl.constexpr,  # multiply the gradient by *grad_scale_ptr
+    HAS_FOUND_INF: tl.constexpr,   # read *found_inf_ptr and skip the step when nonzero
+    ADAMW: tl.constexpr,           # decoupled weight decay (p *= decay) instead of L2 (g += weight_decay * p)
+    MAXIMIZE: tl.constexpr,        # ascend: the gradient is negated
     BLOCK_SIZE: tl.constexpr,      # elements per iteration: a [BLOCK_SIZE // 256, 256] tile
     N_ITERS: tl.constexpr,         # iterations per program
 ):
@@ -165,7 +171,7 @@ def fused_adam_coded_kernel(
         offs = tl.max_contiguous(tl.multiple_of(block_start + tile, [QBLOCK, QBLOCK]), [1, QBLOCK])
         rows = block_start // QBLOCK + tl.arange(0, BLOCK_SIZE // QBLOCK).to(tl.int64)
         args = (row, offs, offs < numel, rows, step_size, bc2_sqrt, decay, grad_scale, m_key, v_key, index_offset,
-                m_table, m_mid, v_table, v_mid, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay)
+                one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay)
         if block_start + BLOCK_SIZE <= numel:
             if aligned:
                 _coded_tile(*args, GRAD_DTYPE, P16_KIND, MASTER_KIND, M_KIND, V_KIND, False, HAS_GRAD_SCALE, ADAMW,
@@ -227,7 +233,7 @@ def _launch(key: tuple, idx: list[int], rows: list[list[int]], numels: list[int]
     one_minus_beta1, one_minus_beta2 = moment_coeffs(beta1, beta2)
     with device_guard(device):
         fused_adam_coded_kernel[(chunk_tensor.numel(),)](
-            table, numels_t, c, k, chunk_tensor, chunk_start, *books(device), gs, fi,
+            table, numels_t, c, k, chunk_tensor, chunk_start, gs, fi,
             one_minus_beta1, float(beta2), one_minus_beta2, float(eps), float(weight_decay),
             GRAD_DTYPE=_TL[grad_dtype], P16_KIND=_P16[p16_dtype], MASTER_KIND=master_kind, M_KIND=_KIND[m_dtype],
             V_KIND=_KIND[v_dtype], HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
@@ -235,17 +241,19 @@ def _launch(key: tuple, idx: list[int], rows: list[list[int]], numels: list[int]
 
 
 # Ahead-of-time codegen cases (tests/test_codegen.py, sm_80 and sm_90): every state kind of each moment, the
-# remainder and fp32-master layouts, bf16 and fp32 gradients.
+# remainder and fp32-master layouts, bf16, fp16 and fp32 gradients; the 8-bit moment codec (kind 2) for both
+# moments together, for exp_avg_sq next to an fp32 / fp8 exp_avg, and for exp_avg next to a bf16 exp_avg_sq.
 def _codegen_cases() -> list:
     sig = dict(ptr_table="*i64", numels="*i64", coeffs="*fp32", keys="*i64", chunk_tensor="*i32",
-               chunk_start="*i64", m_table="*fp32", m_mid="*fp32", v_table="*fp32", v_mid="*fp32",
-               grad_scale_ptr="*fp32", found_inf_ptr="*fp32", one_minus_beta1="fp32", beta2="fp32",
-               one_minus_beta2="fp32", eps="fp32", weight_decay="fp32")
+               chunk_start="*i64", grad_scale_ptr="*fp32", found_inf_ptr="*fp32", one_minus_beta1="fp32",
+               beta2="fp32", one_minus_beta2="fp32", eps="fp32", weight_decay="fp32")
     names = ["fp32", "bf16", "u8", "f8"]
     cases = []
     for grad, p16, master, m_kind, v_kind in ((tl.bfloat16, 1, 1, 2, 2), (tl.bfloat16, 1, 1, 0, 0),
                                               (tl.bfloat16, 1, 0, 1, 1), (tl.float32, 0, 0, 3, 3),
-                                              (tl.bfloat16, 1, 1, 1, 3), (tl.float16, 2, 0, 2, 1)):
+                                              (tl.bfloat16, 1, 1, 1, 3), (tl.float16, 2, 0, 2, 1),
+                                              (tl.float32, 0, 0, 2, 2), (tl.bfloat16, 1, 0, 0, 2),
+                                              (tl.bfloat16, 1, 1, 3, 2)):
         ce = dict(GRAD_DTYPE=grad, P16_KIND=p16, MASTER_KIND=master, M_KIND=m_kind, V_KIND=v_kind,
                   HAS_GRAD_SCALE=True, HAS_FOUND_INF=True, ADAMW=True, MAXIMIZE=False, BLOCK_SIZE=BLOCK,
                   N_ITERS=ITERS)

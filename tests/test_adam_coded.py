@@ -1,12 +1,20 @@
 """kernels/adam_coded.py (interpreted: the code under test) against zero_kernels.codecs.adam_step_coded, the
-definition: every stored byte equal, for every state kind, odd sizes, partial last blocks, several steps,
-grad_scale and found_inf, and a non-contiguous parameter; negative controls show the comparison catches a
-round-to-nearest bf16 moment, a wrong seed and a wrong code book."""
+definition: every stored byte equal, for every state kind, odd sizes, partial last blocks, 8-bit states below
+one block, several steps, grad_scale and found_inf, NaN / inf gradients and a non-contiguous parameter;
+negative controls show the comparison catches a round-to-nearest bf16 moment, a wrong seed and a wrong 8-bit
+moment codec (v rounded to nearest instead of up, m truncated instead of rounded). The 8-bit moment codec's
+Triton device functions (kernels/_codecs.py) are also checked alone against codecs.encode_m8 / encode_v8 /
+decode_m8 / decode_v8 on edge cases: ties, all-zero, NaN and inf blocks, tiny and subnormal scales, partial
+last blocks."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from zero_kernels import codecs as C
+from zero_kernels.kernels._codecs import QBLOCK, decode_m8, decode_v8, encode_m8, encode_v8
 from zero_kernels.kernels.adam_coded import adam_step_coded_triton
+from zero_kernels.reference import sqrt_rn
 
 BF, U8, F8, F32 = torch.bfloat16, torch.uint8, torch.float8_e4m3fn, torch.float32
 SIZES = [1, 255, 256, 257, 1023, 1025, 4099, 5000]   # below a block, a block, partial blocks, two chunks
@@ -18,10 +26,11 @@ def bits(t):
     return t.detach().reshape(-1).contiguous().view(torch.uint8)
 
 
-def setup(seed, dtype, remainders, m_dtype, v_dtype, sizes=SIZES):
+def setup(seed, dtype, remainders, m_dtype, v_dtype, sizes=SIZES, min_8bit_size=C.BLOCK):
     g = torch.Generator().manual_seed(seed)
     ps = [torch.randn(n, generator=g).to(dtype) for n in sizes]
-    fmt = dict(exp_avg_dtype=m_dtype, exp_avg_sq_dtype=v_dtype, store_param_remainders=remainders)
+    fmt = dict(exp_avg_dtype=m_dtype, exp_avg_sq_dtype=v_dtype, store_param_remainders=remainders,
+               min_8bit_size=min_8bit_size)
     return ps, [C.init_coded_state(p, **fmt) for p in ps]
 
 
@@ -31,7 +40,7 @@ def grads(seed, t, ps):
             for p in ps]
 
 
-def run(ps, states, steps, seed, triton, rounding="stochastic", m_code=C.M_CODE, seeds=None, **kw):
+def run(ps, states, steps, seed, triton, rounding="stochastic", seeds=None, **kw):
     seeds = seeds or list(range(len(ps)))
     for t in range(steps):
         gs = grads(seed, t, ps)
@@ -40,7 +49,7 @@ def run(ps, states, steps, seed, triton, rounding="stochastic", m_code=C.M_CODE,
                                    eps=HP["eps"], weight_decay=HP["weight_decay"], adamw=HP["adamw"], **kw)
         else:
             for p, g, s, sd in zip(ps, gs, states, seeds):
-                C.adam_step_coded(p, g, s, seed=sd, bf16_rounding=rounding, m_code=m_code, **HP, **kw)
+                C.adam_step_coded(p, g, s, seed=sd, bf16_rounding=rounding, **HP, **kw)
 
 
 def assert_equal(ps, states, qs, rs):
@@ -50,9 +59,9 @@ def assert_equal(ps, states, qs, rs):
             assert torch.equal(bits(s[k]), bits(r[k])), f"param {i} ({p.numel()} elements): state {k!r} differs"
 
 
-def check(seed, dtype, rem, m_dtype, v_dtype, steps):
-    ps, states = setup(seed, dtype, rem, m_dtype, v_dtype)
-    qs, refs = setup(seed, dtype, rem, m_dtype, v_dtype)
+def check(seed, dtype, rem, m_dtype, v_dtype, steps, **fmt):
+    ps, states = setup(seed, dtype, rem, m_dtype, v_dtype, **fmt)
+    qs, refs = setup(seed, dtype, rem, m_dtype, v_dtype, **fmt)
     run(ps, states, steps, seed + 1, triton=True)
     run(qs, refs, steps, seed + 1, triton=False)
     assert_equal(ps, states, qs, refs)
@@ -64,6 +73,16 @@ def check(seed, dtype, rem, m_dtype, v_dtype, steps):
 def test_kernel_equals_codec_definition(m_dtype, v_dtype, layout):
     dtype, rem = {"remainder": (BF, True), "bf16+master": (BF, False), "fp32": (F32, False)}[layout]
     check(1, dtype, rem, m_dtype, v_dtype, 3)
+
+
+@pytest.mark.parametrize("layout", ["remainder", "fp32"])
+def test_8bit_moments_below_one_block(layout):
+    """min_8bit_size=1: tensors of 1 and 255 elements (one partial block) and 257 (a full and a 1-element
+    block) keep uint8 moments; four steps."""
+    dtype, rem = {"remainder": (BF, True), "fp32": (F32, False)}[layout]
+    _, states = setup(2, dtype, rem, U8, U8, sizes=[1, 255, 257], min_8bit_size=1)
+    assert all(st[k].dtype == U8 for st in states for k in ("exp_avg", "exp_avg_sq"))
+    check(2, dtype, rem, U8, U8, 4, sizes=[1, 255, 257], min_8bit_size=1)
 
 
 def test_fp32_moments_with_remainders_and_fp16_masters():
@@ -92,27 +111,49 @@ def test_non_contiguous_parameter_and_gradient():
     assert torch.equal(bits(p), bits(q)) and all(torch.equal(bits(s[k]), bits(r[k])) for k in s)
 
 
-@pytest.mark.parametrize("wrong", ["nearest", "seed", "code book"])
-def test_negative_controls(wrong):
-    """The comparison above catches a kernel that rounds bf16 to nearest, uses other random bits, or
-    another code book: each such reference run differs from the kernel's."""
-    m_dtype = U8 if wrong == "code book" else BF
-    ps, states = setup(8, F32, False, m_dtype, BF, sizes=[1025, 300])
-    qs, refs = setup(8, F32, False, m_dtype, BF, sizes=[1025, 300])
+def _wrong_v8_nearest(x):
+    """exp_avg_sq coded like codecs.encode_v8 but sqrt(v) rounded to NEAREST instead of up (a wrong codec)."""
+    sb, scale = C.block_absmax(sqrt_rn(x.float()))
+    inv = torch.tensor(C.V8_LEVELS) / scale
+    inv = torch.where(torch.isfinite(inv), inv, 0.0)[:, None]
+    code = torch.where(inv == 0, 0.0, torch.clamp(torch.round(sb * inv), max=C.V8_LEVELS)).to(torch.uint8)
+    return code.reshape(-1)[: x.numel()].view(x.shape), scale
+
+
+def _wrong_m8_trunc(x):
+    """exp_avg coded like codecs.encode_m8 but m * inv truncated towards 0 instead of rounded (a wrong codec)."""
+    xb, scale = C.block_absmax(x)
+    inv = torch.tensor(C.M8_LEVELS) / scale
+    inv = torch.where(torch.isfinite(inv), inv, 0.0)[:, None]
+    code = torch.where(inv == 0, 0.0, torch.trunc(xb * inv)).to(torch.int8)
+    return code.reshape(-1)[: x.numel()].view(torch.uint8).view(x.shape), scale
+
+
+@pytest.mark.parametrize("wrong", ["nearest", "seed", "v8 rounded to nearest", "m8 truncated"])
+def test_negative_controls(wrong, monkeypatch):
+    """The comparison above catches a kernel that rounds bf16 to nearest, uses other random bits, or codes
+    the 8-bit moments another way: each such reference run differs from the kernel's."""
+    m_dtype, v_dtype = {"v8 rounded to nearest": (BF, U8), "m8 truncated": (U8, BF)}.get(wrong, (BF, BF))
+    ps, states = setup(8, F32, False, m_dtype, v_dtype, sizes=[1025, 300])
+    qs, refs = setup(8, F32, False, m_dtype, v_dtype, sizes=[1025, 300])
     run(ps, states, 2, 9, triton=True)
-    kw = {"nearest": dict(rounding="nearest"), "seed": dict(seeds=[1, 0]),
-          "code book": dict(m_code="linear_signed")}[wrong]
+    if wrong == "v8 rounded to nearest":
+        monkeypatch.setitem(C._ENCODERS, ("exp_avg_sq", U8), _wrong_v8_nearest)
+    elif wrong == "m8 truncated":
+        monkeypatch.setitem(C._ENCODERS, ("exp_avg", U8), _wrong_m8_trunc)
+    kw = {"nearest": dict(rounding="nearest"), "seed": dict(seeds=[1, 0])}.get(wrong, {})
     run(qs, refs, 2, 9, triton=False, **kw)
     with pytest.raises(AssertionError, match="differs"):
         assert_equal(ps, states, qs, refs)
 
 
 @pytest.mark.parametrize("dtype,rem,m_dtype,v_dtype", [(BF, True, U8, U8), (BF, True, BF, F8), (F32, False, F8, BF),
-                                                       (BF, False, U8, F8)])
+                                                       (BF, False, U8, F8), (F32, False, BF, U8)])
 def test_nan_and_inf_gradients(dtype, rem, m_dtype, v_dtype):
     """A NaN gradient poisons its element (and its 8-bit / fp8 block), infinities theirs, over two steps: every
-    state bit as the reference (a NaN block scale is torch.amax's canonical 0x7FC00000). Only the NaN payload of a bf16 parameter written from an fp32 master may differ (the fp32 kernel's
-    rule, adam.py's round_bf16_bits, vs torch's CPU cast): there both must be NaN."""
+    state bit as the reference (a NaN block scale is torch.amax's canonical 0x7FC00000). Only the NaN payload
+    of a bf16 parameter written from an fp32 master may differ (the fp32 kernel's rule, adam.py's
+    round_bf16_bits, vs torch's CPU cast): there both must be NaN."""
     ps, states = setup(1, dtype, rem, m_dtype, v_dtype, sizes=[600, 1030])
     qs, refs = setup(1, dtype, rem, m_dtype, v_dtype, sizes=[600, 1030])
     for t in range(2):   # the second step decodes the poisoned codes (an fp8 NaN decodes to 0x7FF00000)
@@ -128,3 +169,174 @@ def test_nan_and_inf_gradients(dtype, rem, m_dtype, v_dtype):
         assert torch.equal(bits(p[~nan]), bits(q[~nan]))
         if rem:
             assert torch.equal(bits(p), bits(q))
+
+
+# ---------------------------------------------------------------- the 8-bit moment codec alone
+@triton.jit
+def _encode_kernel(
+    m_ptr,          # fp32 [numel]: exp_avg values to code
+    v_ptr,          # fp32 [numel]: exp_avg_sq values to code (their IEEE square roots are coded)
+    m_codes_ptr,    # uint8 [numel]: int8 codes of m out
+    m_scales_ptr,   # fp32 [ceil(numel / 256)]: block scales of m out
+    v_codes_ptr,    # uint8 [numel]: codes of sqrt(v) out
+    v_scales_ptr,   # fp32 [ceil(numel / 256)]: block scales of sqrt(v) out
+    numel,          # int64: elements
+    ROWS: tl.constexpr,   # 256-element blocks per program, as the coded kernel's [4, 256] tile
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    offs = rows[:, None] * QBLOCK + tl.arange(0, QBLOCK).to(tl.int64)[None, :]
+    mask = offs < numel
+    row_mask = rows * QBLOCK < numel
+    code, scale = encode_m8(tl.load(m_ptr + offs, mask=mask, other=0.0), mask)
+    tl.store(m_codes_ptr + offs, code, mask=mask)
+    tl.store(m_scales_ptr + rows, scale, mask=row_mask)
+    code, scale = encode_v8(tl.sqrt_rn(tl.load(v_ptr + offs, mask=mask, other=0.0)), mask)
+    tl.store(v_codes_ptr + offs, code, mask=mask)
+    tl.store(v_scales_ptr + rows, scale, mask=row_mask)
+
+
+@triton.jit
+def _decode_kernel(
+    codes_ptr,      # uint8 [numel]: codes (int8 bits for m)
+    scales_ptr,     # fp32 [ceil(numel / 256)]: block scales
+    m_ptr,          # fp32 [numel]: the codes decoded as exp_avg out
+    v_ptr,          # fp32 [numel]: the codes decoded as exp_avg_sq out
+    numel,          # int64: elements
+    ROWS: tl.constexpr,   # 256-element blocks per program
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    offs = rows[:, None] * QBLOCK + tl.arange(0, QBLOCK).to(tl.int64)[None, :]
+    mask = offs < numel
+    code = tl.load(codes_ptr + offs, mask=mask, other=0)
+    scale = tl.load(scales_ptr + offs // QBLOCK, mask=mask, other=0.0)   # per element, as the coded kernel
+    tl.store(m_ptr + offs, decode_m8(code, scale), mask=mask)
+    tl.store(v_ptr + offs, decode_v8(code, scale), mask=mask)
+
+
+def triton_encode(m, v, rows=4):
+    n = m.numel()
+    nb = -(-n // C.BLOCK)
+    out = (torch.empty(n, dtype=U8), torch.empty(nb), torch.empty(n, dtype=U8), torch.empty(nb))
+    _encode_kernel[(-(-nb // rows),)](m, v, *out, n, ROWS=rows)
+    return out
+
+
+def triton_decode(codes, scales, rows=4):
+    m, v = torch.empty(codes.numel()), torch.empty(codes.numel())
+    _decode_kernel[(-(-scales.numel() // rows),)](codes, scales, m, v, codes.numel(), ROWS=rows)
+    return m, v
+
+
+def _round_half_away(y):
+    return torch.trunc(y + 0.5 * torch.sign(y))
+
+
+S_TOP = 1.0 + 1524 * 2.0 ** -20     # fp32: S_TOP * fl(255 / S_TOP) = 255 + 2^-16, so ceil gives 256
+
+
+def edge_blocks():
+    """(m, v): fp32 tensors of 10 blocks + 37 elements, block by block (B = 256):
+    0 ties: scale 127 (inv exactly 1), x = k + 0.5 for k in -127..126 plus +-127, so x * inv is an exact tie;
+    1 ties at scale 127 * 2^-10 (inv exactly 2^10); v: block 0 exact integers under a scale of 255, block 1
+      scale S_TOP, whose code before the clamp is 256;
+    2 all zeros; 3 a NaN; 4 +inf (v) / -inf (m); 5 subnormal values only (m: 127 / scale overflows -> codes
+    0; v: sqrt is normal); 6 m scale 3.7e-37 (127 / scale just above FLT_MAX -> 0), v subnormals next to 3e38
+    (s * inv subnormal: code 1);
+    7 m scale 3.8e-37 (inverse finite, about 3.3e38) with subnormal values in the block; 8, 9 random
+    magnitudes; then a partial block of 37 random elements."""
+    g = torch.Generator().manual_seed(11)
+    B = C.BLOCK
+    ties = torch.cat([torch.arange(-127, 127, dtype=F32) + 0.5, torch.tensor([127.0, -127.0])])
+    assert ties.numel() == B
+    m = [ties, ties * 2.0 ** -10, torch.zeros(B)]
+    nan = torch.randn(B, generator=g)
+    nan[17] = float("nan")
+    inf = torch.randn(B, generator=g)
+    inf[200] = -float("inf")
+    sub = torch.rand(B, generator=g) * 1e-39
+    m += [nan, inf, sub]
+    for top in (3.7e-37, 3.8e-37):
+        x = torch.randn(B, generator=g) * 1e-38
+        x[:64] = torch.rand(64, generator=g) * 1e-39          # subnormals
+        x[100] = -top
+        m.append(x)
+    m += [torch.randn(B, generator=g) * 10.0 ** torch.randint(-20, 5, (B,), generator=g).float() for _ in range(2)]
+    m.append(torch.randn(37, generator=g))
+
+    squares = torch.arange(B, dtype=F32) ** 2        # sqrt exact: s = k under scale 255 (inv exactly 1)
+    squares[-1] = 255.0 * 255.0
+    clamp = torch.rand(B, generator=g)
+    clamp[0] = S_TOP * S_TOP                          # the block's scale: S_TOP * (255 / S_TOP) > 255
+    v = [squares, clamp, torch.zeros(B)]
+    vnan = torch.rand(B, generator=g)
+    vnan[3] = float("nan")
+    vinf = torch.rand(B, generator=g)
+    vinf[250] = float("inf")
+    vsub = torch.rand(B, generator=g) * 1e-39
+    vmix = torch.rand(B, generator=g) * 1e-40
+    vmix[9] = 3e38                                    # sqrt 1.7e19: inv = 255 / 1.7e19 = 1.5e-17
+    vmix[10:20] = 1.4e-45                             # sqrt 3.7e-23: s * inv = 5.5e-40, subnormal -> code 1
+    v += [vnan, vinf, vsub, vmix, torch.rand(B, generator=g) * 1e-30]
+    v += [torch.rand(B, generator=g) * 10.0 ** torch.randint(-30, 10, (B,), generator=g).float() for _ in range(2)]
+    v.append(torch.rand(37, generator=g))
+    return torch.cat(m), torch.cat(v)
+
+
+def test_codec_device_functions_equal_the_definition_on_edge_cases():
+    m, v = edge_blocks()
+    mc, ms, vc, vs = triton_encode(m, v)
+    mc_ref, ms_ref = C.encode_m8(m)
+    vc_ref, vs_ref = C.encode_v8(v)
+    assert torch.equal(mc, mc_ref), f"m codes differ at {(mc != mc_ref).nonzero().flatten()[:8].tolist()}"
+    assert torch.equal(vc, vc_ref), f"v codes differ at {(vc != vc_ref).nonzero().flatten()[:8].tolist()}"
+    for got, want in ((ms, ms_ref), (vs, vs_ref)):
+        assert torch.equal(bits(got), bits(want)), "block scales differ"
+    for codes, scales in ((mc, ms), (vc, vs)):
+        dm, dv = triton_decode(codes, scales)
+        assert torch.equal(bits(dm), bits(C.decode_m8(codes, scales)))
+        assert torch.equal(bits(dv), bits(C.decode_v8(codes, scales)))
+
+    # The cases are what they claim (each would catch a kernel that gets it wrong).
+    B = C.BLOCK
+    assert bits(ms[3:4]).view(torch.int32).item() == 0x7FC00000 and vs[3].isnan()       # canonical NaN scale
+    assert ms[4].isinf() and vs[4].isinf() and ms[2] == 0 and vs[2] == 0
+    dm, dv = C.decode_m8(mc, ms), C.decode_v8(vc, vs)
+    assert dm[3 * B:5 * B].isnan().all() and dv[3 * B:5 * B].isnan().all()             # NaN / inf poison
+    assert (mc[5 * B:7 * B] == 0).all() and bool((m[5 * B:6 * B] != 0).all())            # inverse overflow
+    assert (mc[7 * B:8 * B] != 0).any() and torch.isfinite(torch.tensor(C.M8_LEVELS) / ms[7])
+    assert bool((v[5 * B:6 * B] < 1.2e-38).all()) and (vc[5 * B:6 * B] != 0).any()      # subnormal v codes
+    y_sub = sqrt_rn(v[6 * B + 10:6 * B + 20]) * (torch.tensor(C.V8_LEVELS) / vs[6])
+    assert bool(((y_sub > 0) & (y_sub < 1.1754944e-38)).all()) and (vc[6 * B + 10:6 * B + 20] == 1).all()
+    assert vc[-37:].max() == 255 and mc[-37:].view(torch.int8).abs().max() == 127      # partial block coded
+    # Ties: blocks 0 and 1 of m are exact ties (round half away from zero would code them differently); the
+    # clamp of v is reached (block 1); rounding v to nearest instead of up would code the random blocks
+    # differently.
+    for blk in (0, 1):
+        y = m[blk * B:(blk + 1) * B] * (torch.tensor(C.M8_LEVELS) / ms[blk])
+        assert int((y - torch.floor(y) == 0.5).sum()) == B - 2
+        assert not torch.equal(_round_half_away(y).to(torch.int8).view(U8), mc[blk * B:(blk + 1) * B])
+    top = torch.tensor(S_TOP)
+    assert vs[1] == top and torch.ceil(top * (torch.tensor(C.V8_LEVELS) / top)) == 256 and vc[B] == 255
+    yv = sqrt_rn(v[8 * B:10 * B]) * (torch.tensor(C.V8_LEVELS) / vs[8:10]).repeat_interleave(B)
+    assert not torch.equal(torch.round(yv).clamp(max=255).to(U8), vc[8 * B:10 * B])
+
+
+def test_codec_device_functions_on_random_blocks_and_decode_edge_scales():
+    """Random blocks over 40 decades (many full and partial tiles), and every code decoded under scales 0,
+    NaN, inf, the smallest subnormal, subnormal, 1 and FLT_MAX (d * d overflows to inf)."""
+    g = torch.Generator().manual_seed(12)
+    n = 13 * C.BLOCK + 201
+    mag = 10.0 ** torch.randint(-20, 20, (n // C.BLOCK + 1,), generator=g).float()
+    m = torch.randn(n, generator=g) * mag.repeat_interleave(C.BLOCK)[:n]
+    v = torch.rand(n, generator=g) * mag.repeat_interleave(C.BLOCK)[:n] ** 2
+    mc, ms, vc, vs = triton_encode(m, v)
+    assert torch.equal(mc, C.encode_m8(m)[0]) and torch.equal(bits(ms), bits(C.encode_m8(m)[1]))
+    assert torch.equal(vc, C.encode_v8(v)[0]) and torch.equal(bits(vs), bits(C.encode_v8(v)[1]))
+    assert len(set(vc.tolist())) > 200 and len(set(mc.tolist())) > 200                  # not a trivial code
+
+    scales = torch.tensor([0.0, float("nan"), float("inf"), 1e-45, 1e-40, 1.0, 3.4028234663852886e38, 0.37])
+    codes = torch.cat([torch.randperm(256, generator=g).to(U8) for _ in scales])[:-19]   # last block partial
+    dm, dv = triton_decode(codes, scales)
+    want_m, want_v = C.decode_m8(codes, scales), C.decode_v8(codes, scales)
+    assert torch.equal(bits(dm), bits(want_m)) and torch.equal(bits(dv), bits(want_v))
+    assert want_v.isinf().any() and want_m.isnan().any() and (want_m[3 * 256:5 * 256] != 0).any()
