@@ -111,26 +111,28 @@ def decode_m8(code, scale):
 
 
 @triton.jit
-def encode_v8(s, mask):
-    """sqrt(exp_avg_sq) tile (the update's IEEE square root) -> (uint8 codes, fp32 scale of sqrt(v) per row):
-    codecs.encode_v8. code = min(ceil(s * (255 / scale)), 255), 0 where that inverse is not finite. The
-    ceiling is taken on integers (y >= 0: truncate, add 1 if that lost a fraction), because tl.ceil compiles
-    to cvt.rpi.ftz, which would round a subnormal y up to 0 instead of 1; the clamp too (s == scale may
-    give 255 * (1 + 2^-24) -> 256)."""
-    scale = block_absmax(s, mask)
+def encode_v8(r, mask):
+    """exp_avg_sq^(1/4) tile (two IEEE square roots of v) -> (uint8 codes, fp32 scale of v^(1/4) per row):
+    codecs.encode_v8. code = round_half_even(r * (255 / scale)) (the magic add of encode_m8; <= 255 as
+    r <= scale), raised to 1 where r > 0 (a nonzero v never decodes to 0), 0 where the inverse is not
+    finite. The raise compares the integer bits (r >= 0), so no flush-to-zero compare can drop a
+    subnormal r."""
+    scale = block_absmax(r, mask)
     inv = _inverse(scale, V8_LEVELS)[:, None]
-    y = tl.where(inv == 0.0, 0.0, s * inv)        # in [0, 255 + a rounding]: no NaN, inf or negative value
-    t = y.to(tl.int32)
-    code = tl.minimum(t + (t.to(tl.float32) < y).to(tl.int32), 255)
+    y = tl.where(inv == 0.0, 0.0, r * inv)        # in [0, 255 + a rounding]: no NaN, inf or negative value
+    code = (y + RNE_MAGIC).to(tl.int32, bitcast=True) - RNE_MAGIC_BITS
+    positive = (r.to(tl.int32, bitcast=True) > 0) & (inv != 0.0)
+    code = tl.where(positive, tl.maximum(code, 1), code)
     return code.to(tl.uint8), scale
 
 
 @triton.jit
 def decode_v8(code, scale):
-    """(uint8 codes, fp32 scale of sqrt(v) of each element's block) -> fp32 exp_avg_sq = d * d with
-    d = float(code) * (scale / 255) (codecs.decode_v8)."""
+    """(uint8 codes, fp32 scale of v^(1/4) of each element's block) -> fp32 exp_avg_sq = (d * d) * (d * d)
+    with d = float(code) * (scale / 255) (codecs.decode_v8)."""
     d = code.to(tl.float32) * tl.div_rn(scale, V8_LEVELS)
-    return d * d
+    d2 = d * d
+    return d2 * d2
 
 
 @triton.jit
