@@ -16,6 +16,8 @@ from zero_kernels.kernels._codecs import QBLOCK, decode_m8, decode_v8, encode_m8
 from zero_kernels.kernels.adam_coded import adam_step_coded_triton
 from zero_kernels.reference import sqrt_rn
 
+from _codec_controls import WRONG, wrong_v8_sqrt
+
 BF, U8, F8, F32 = torch.bfloat16, torch.uint8, torch.float8_e4m3fn, torch.float32
 SIZES = [1, 255, 256, 257, 1023, 1025, 4099, 5000]   # below a block, a block, partial blocks, two chunks
 KINDS = [F32, BF, U8, F8]
@@ -111,25 +113,6 @@ def test_non_contiguous_parameter_and_gradient():
     assert torch.equal(bits(p), bits(q)) and all(torch.equal(bits(s[k]), bits(r[k])) for k in s)
 
 
-def _wrong_v8_sqrt(x):
-    """exp_avg_sq coded like codecs.encode_v8 but in the square-root domain instead of the fourth root
-    (a wrong codec; decoded by the right decoder)."""
-    sb, scale = C.block_absmax(sqrt_rn(x.float()))
-    inv = torch.tensor(C.V8_LEVELS) / scale
-    inv = torch.where(torch.isfinite(inv), inv, 0.0)[:, None]
-    code = torch.where(inv == 0, 0.0, torch.clamp(torch.round(sb * inv), min=1.0)).to(torch.uint8)
-    return code.reshape(-1)[: x.numel()].view(x.shape), scale
-
-
-def _wrong_m8_trunc(x):
-    """exp_avg coded like codecs.encode_m8 but m * inv truncated towards 0 instead of rounded (a wrong codec)."""
-    xb, scale = C.block_absmax(x)
-    inv = torch.tensor(C.M8_LEVELS) / scale
-    inv = torch.where(torch.isfinite(inv), inv, 0.0)[:, None]
-    code = torch.where(inv == 0, 0.0, torch.trunc(xb * inv)).to(torch.int8)
-    return code.reshape(-1)[: x.numel()].view(torch.uint8).view(x.shape), scale
-
-
 @pytest.mark.parametrize("wrong", ["nearest", "seed", "v8 square root", "m8 truncated"])
 def test_negative_controls(wrong, monkeypatch):
     """The comparison above catches a kernel that rounds bf16 to nearest, uses other random bits, or codes
@@ -138,10 +121,8 @@ def test_negative_controls(wrong, monkeypatch):
     ps, states = setup(8, F32, False, m_dtype, v_dtype, sizes=[1025, 300])
     qs, refs = setup(8, F32, False, m_dtype, v_dtype, sizes=[1025, 300])
     run(ps, states, 2, 9, triton=True)
-    if wrong == "v8 square root":
-        monkeypatch.setitem(C._ENCODERS, ("exp_avg_sq", U8), _wrong_v8_sqrt)
-    elif wrong == "m8 truncated":
-        monkeypatch.setitem(C._ENCODERS, ("exp_avg", U8), _wrong_m8_trunc)
+    if wrong in WRONG:
+        monkeypatch.setitem(C._ENCODERS, *WRONG[wrong])
     kw = {"nearest": dict(rounding="nearest"), "seed": dict(seeds=[1, 0])}.get(wrong, {})
     run(qs, refs, 2, 9, triton=False, **kw)
     with pytest.raises(AssertionError, match="differs"):
@@ -314,7 +295,7 @@ def test_codec_device_functions_equal_the_definition_on_edge_cases():
     yv = sqrt_rn(sqrt_rn(v[8 * B:10 * B])) * (torch.tensor(C.V8_LEVELS) / vs[8:10]).repeat_interleave(B)
     raised = (yv > 0) & (yv < 0.5)
     assert bool(raised.any()) and bool((vc[8 * B:10 * B][raised] == 1).all())
-    assert not torch.equal(_wrong_v8_sqrt(v[8 * B:10 * B])[0], vc[8 * B:10 * B])
+    assert not torch.equal(wrong_v8_sqrt(v[8 * B:10 * B])[0], vc[8 * B:10 * B])
 
 
 def test_codec_device_functions_on_random_blocks_and_decode_edge_scales():

@@ -20,6 +20,8 @@ import zero_kernels as zk
 from zero_kernels import _coded_host, _ext
 from zero_kernels import codecs as C
 
+from _codec_controls import WRONG
+
 CPP = _ext.cpu_module()
 pytestmark = pytest.mark.skipif(CPP is None and os.environ.get("ZK_REQUIRE_CPU") != "1",
                                 reason=f"C++ extension unavailable: {_ext.load_error()}")
@@ -216,30 +218,16 @@ def test_optimizer_cpu_equals_reference(fmt):
 
 
 # ------------------------------------------------------------------------------------- negative controls
-@pytest.mark.parametrize("wrong", ["code book", "swapped midpoints", "seed"])
-def test_negative_controls(wrong):
-    """The comparison catches a kernel fed another code book, m's and v's midpoint tables swapped, or other
-    stochastic-rounding bits: each such run differs from the reference."""
+@pytest.mark.parametrize("wrong", ["v8 square root", "m8 truncated", "seed"])
+def test_negative_controls(wrong, monkeypatch):
+    """The comparison catches a kernel that codes v in the square-root domain, truncates m's codes, or draws
+    other stochastic-rounding bits: each such reference run differs from the kernel's."""
     ps, states = setup(8, "fp32", U8, U8 if wrong != "seed" else BF, [1025, 300])
     qs, refs = setup(8, "fp32", U8, U8 if wrong != "seed" else BF, [1025, 300])
     gs = grads_for(9, 0, ps, F32)
-    m_tab, m_mid, v_tab, v_mid = _coded_host.books(torch.device("cpu"))
-    if wrong == "code book":
-        lin = C.CODE_BOOKS["linear_signed"]
-        books = (lin, C.midpoints(lin), v_tab, v_mid)
-    elif wrong == "swapped midpoints":
-        books = (m_tab, v_mid, v_tab, m_mid)
-    else:
-        books = (m_tab, m_mid, v_tab, v_mid)
-    step = _coded_host.prepare(ps, gs, states, [1, 0] if wrong == "seed" else [0, 1], lr=1e-2, beta1=0.9,
-                               beta2=0.999, weight_decay=0.1, adamw=True)
-    for idx in step.groups.values():
-        es = [step.entries[i] for i in idx]
-        _ext.fused_adam_coded_cpu([e.master for e in es], [e.grad for e in es], [e.exp_avg for e in es],
-                                  [e.exp_avg_sq for e in es], [e.exp_avg_scale for e in es],
-                                  [e.exp_avg_sq_scale for e in es if e.exp_avg_sq_scale is not None], [],
-                                  step.coeffs[idx], step.keys[idx], *books, beta1=0.9, beta2=0.999, eps=1e-8,
-                                  weight_decay=0.1, adamw=True, maximize=False)
+    kernel_step(ps, gs, states, [1, 0] if wrong == "seed" else [0, 1], HP["adamw"])
+    if wrong in WRONG:
+        monkeypatch.setitem(C._ENCODERS, *WRONG[wrong])
     reference_step(qs, gs, refs, [0, 1], HP["adamw"])
     with pytest.raises(AssertionError, match="differs"):
         assert_equal(ps, states, qs, refs)
@@ -249,12 +237,10 @@ def test_negative_controls(wrong):
 def _args(n=300, m_dtype=U8):
     p = torch.randn(n).to(BF)
     st = C.init_coded_state(p, exp_avg_dtype=m_dtype, exp_avg_sq_dtype=BF, store_param_remainders=True)
-    books = list(_coded_host.books(torch.device("cpu")))
     return dict(masters=[st["master_remainder"]], grads=[torch.randn(n).to(BF)], exp_avgs=[st["exp_avg"]],
                 exp_avg_sqs=[st["exp_avg_sq"]], exp_avg_scales=[st["exp_avg_scale"]] if "exp_avg_scale" in st else [],
                 exp_avg_sq_scales=[], params16=[p], coeffs=torch.tensor([[1e-2, 0.5, 1.0]]),
-                keys=torch.zeros(1, 3, dtype=torch.int64), m_table=books[0], m_mid=books[1], v_table=books[2],
-                v_mid=books[3])
+                keys=torch.zeros(1, 3, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("change,msg", [
@@ -267,7 +253,6 @@ def _args(n=300, m_dtype=U8):
     (dict(grads=[torch.zeros(299, dtype=BF)]), r"grads\[0\] has 299 elements but masters\[0\] has 300"),
     (dict(params16=[]), "params16 must hold the T bf16 parameters"),
     (dict(params16=[torch.zeros(300, dtype=F16)]), "params16 must be bfloat16"),
-    (dict(m_mid=torch.zeros(256)), "m_mid must be a contiguous float32 tensor of 255 elements"),
     (dict(keys=torch.zeros(1, 3)), "keys must be a contiguous int64 tensor"),
     (dict(coeffs=torch.zeros(2, 3)), "coeffs must be a contiguous float32 tensor of shape"),
 ])

@@ -93,9 +93,9 @@ def _reference_step(b, snap, step, *, seed=None, index_offset=None, shift=0):
         for k in ("exp_avg", "exp_avg_sq"):
             if k + "_scale" in st:
                 sub[k + "_scale"] = torch.zeros(-(-(n - shift) // codecs.BLOCK))
-                full = codecs.decode_moment(st, k, codecs.TABLES[k])
-                codes, sc = (codecs.encode_q8(full[sl], codecs.TABLES[k]) if st[k].dtype == U8
-                             else codecs.encode_f8(full[sl]))
+                full = codecs.decode_moment(st, k)
+                u8 = codecs.encode_m8 if k == "exp_avg" else codecs.encode_v8
+                codes, sc = u8(full[sl]) if st[k].dtype == U8 else codecs.encode_f8(full[sl])
                 sub[k], sub[k + "_scale"] = codes, sc
         p = param[sl].clone()
         codecs.adam_step_coded(p, grad[sl], sub, seed=b.index, index_offset=b.slice_start + shift, **_hp())
@@ -320,7 +320,8 @@ def _state_dict_job(rank, world, tmp):
 
 def _within_a_step(ref, got, dtype, scale=None) -> bool:
     """|got - ref| within one quantization step of its format (8-bit: relative to the largest block absmax,
-    ``scale``, default ref's: the dynamic map's widest gap is below 0.016; bf16: 2^-7 relative)."""
+    ``scale``, default ref's: m's step is 1/127, v's at most 4 x 255^-1 relative at the top of its fourth-root
+    code; bf16: 2^-7 relative)."""
     if dtype == BF:
         return bool(((got - ref).abs() <= ref.abs() * 2 ** -7 + 1e-30).all())
     scale = ref.abs().max() if scale is None else scale
