@@ -3,10 +3,10 @@
 //
 // Arguments were checked once by the front end (check_coded_adam_args in csrc/adam_front.cpp; the
 // contract is the comment above ZK_CODED_ADAM_ARGS in fused_adam.h): T tensors of ONE layout, all
-// contiguous on one CUDA device, with coeffs [T, 3], keys [T, 3], code books, midpoints, grad_scale and
-// found_inf on that device. This file only picks the kernel for the layout, packs and launches, on the
-// current stream, without a host sync. Torch stays out of the device passes: [Note: host-only torch
-// code] in csrc/cuda_adam.cu.
+// contiguous on one CUDA device, with coeffs [T, 3], keys [T, 3], grad_scale and found_inf on that
+// device (the 8-bit moment codes are arithmetic: no code book travels with them). This file only picks
+// the kernel for the layout, packs and launches, on the current stream, without a host sync. Torch
+// stays out of the device passes: [Note: host-only torch code] in csrc/cuda_adam.cu.
 #include "cuda_adam_coded_kernel.cuh"
 
 // All 32 (master, exp_avg, exp_avg_sq) kernels, in every compilation pass.
@@ -112,7 +112,7 @@ void fused_adam_coded_cuda_launch(ZK_CODED_ADAM_ARGS) {
   const size_t T = masters.size();
   if (T == 0) return;
   // The layout of tensor 0 picks the kernel: the front end checked that every tensor shares it, that
-  // remainders come with bf16 params16, blockwise moments with their scales, and coeffs / keys / books.
+  // remainders come with bf16 params16, blockwise moments with their scales, and coeffs / keys.
   const bool remainder = masters[0].scalar_type() == at::kShort;
   const int m_kind = moment_kind(exp_avgs[0].scalar_type()), v_kind = moment_kind(exp_avg_sqs[0].scalar_type());
   const c10::cuda::CUDAGuard guard(masters[0].device());
@@ -134,10 +134,6 @@ void fused_adam_coded_cuda_launch(ZK_CODED_ADAM_ARGS) {
   a.maximize = maximize;
   a.has_grad_scale = grad_scale.has_value();
   s.keys = keys.data_ptr<int64_t>();
-  s.m_table = m_table.data_ptr<float>();
-  s.m_mid = m_mid.data_ptr<float>();
-  s.v_table = v_table.data_ptr<float>();
-  s.v_mid = v_mid.data_ptr<float>();
   s.grad_dtype = dtype16(grads[0].scalar_type(), true, "gradient");
   s.p16_dtype = params16.empty() ? kNone : dtype16(params16[0].scalar_type(), false, "16-bit parameter");
 

@@ -5,7 +5,8 @@
 // with its device codecs kernels/_codecs.py, which this file follows rule for rule. Host launcher:
 // csrc/cuda_adam_coded.cu. Torch-free for tests/test_nvcc.py, like csrc/cuda_adam_kernel.cuh (see
 // [Note: why the kernel lives in a torch-free header] there), whose multi-tensor layout, IEEE helpers
-// and per-element update (adam_update) this kernel reuses unchanged.
+// and per-element update (adam_update, which also hands back the sqrt(v) of its denominator) this
+// kernel reuses unchanged.
 //
 // [Note: the coded CUDA kernel]
 // Work split. A launch covers up to kCodedMaxTensors tensors of ONE layout (master kind, moment kinds:
@@ -20,11 +21,27 @@
 // like the floats and every NaN lies above +inf, so the max is NaN when the block holds one (torch.amax).
 // Accesses. When the quantization block is whole and every pointer of the tensor is aligned, each
 // thread moves its 8 elements with 128-bit accesses (two per fp32 array, one per 16-bit array) and one
-// 64-bit access for the 8 uint8 / float8 codes; the code books and midpoints are read through the
-// read-only cache (1 KB each, L1-resident). A partial last block, or a tensor at an unaligned address,
-// takes element-wise accesses of the same registers (invalid lanes read 0 and stay out of the absmax).
+// 64-bit access for the 8 uint8 / float8 codes; besides them a quantization block reads and writes one
+// fp32 scale per blockwise moment (one broadcast address for the warp). A partial last block, or a
+// tensor at an unaligned address, takes element-wise accesses of the same registers (invalid lanes
+// read 0 and stay out of the absmax).
+// 8-bit moments ([Note: state codecs] 2) are arithmetic codes: per quantization block every lane
+// computes the block's two scalars from the one reduced scale (redundantly: two IEEE divisions per
+// lane, no shuffle, no shared memory), then per element one multiply and one rounding conversion:
+//   exp_avg:    decode m = float(int8 code) * (scale / 127);
+//               encode code = cvt.rni.s32 (round half even) of m * (127 / scale)    (|code| <= 127)
+//   exp_avg_sq: decode d = float(code) * (scale / 255), v = d * d;
+//               encode code = min(cvt.rpi.u32 (ceil) of s * (255 / scale), 255) with s = sqrt(v), the
+//               square root adam_update took for the denominator (so a uint8 exp_avg_sq keeps s, not
+//               v, in its registers after the update: no second sqrt, no extra registers).
+// The inverse 127 / scale (255 / scale) is replaced by 0 unless finite: a block of zeros, a scale so
+// tiny that the inverse overflows, or an inf / NaN block (its scale NaN, stored as the canonical NaN
+// 0x7FC00000; then its codes are 0 and it decodes to NaN everywhere, as the fp32 state would be
+// poisoned). With a finite inverse every |x| <= scale gives |x * inv| <= levels + a few ulps, so the
+// rounding stays within the code range (ceil can reach 256 only there: hence the min).
 // Numerics. Every codec is integer work on the bits plus IEEE fp32 operations (the inline-PTX helpers
-// of cuda_adam_kernel.cuh: div.rn, add.rn, mul.rn), so the result is the reference's, bit for bit.
+// of cuda_adam_kernel.cuh: div.rn, add.rn, mul.rn, sqrt.rn; the float <-> int conversions are exact or
+// the rounding the codec names), so the result is the reference's, bit for bit.
 #pragma once
 
 #include "cuda_adam_kernel.cuh"
@@ -39,13 +56,18 @@ using zk::cuda_adam::kThreads;
 constexpr int kQBlock = 256;                              // codecs.BLOCK: elements per block scale
 constexpr int kLaneElems = kQBlock / 32;                  // 8 elements per thread (one warp, one block)
 constexpr int64_t kCodedChunk = int64_t(kQBlock) * (kThreads / 32);  // 2048 elements per block
-// 3 x 256 threads per SM: at most 80 registers. The 8-bit encode's binary search keeps 8 codes, 8
-// quotients and their gather addresses live next to the other moment: 64 registers (4 blocks) spill.
-// A block does ONE quantization block per warp (no loop): with a loop, its invariants (7 tensor
-// pointers, coefficients, keys) spilled even at 80 registers. tests/test_nvcc.py prints the counts.
+// 3 x 256 threads per SM: at most 80 registers. A thread keeps 4 arrays x 8 elements live through the
+// update, plus 7 tensor pointers, coefficients and keys; under 64 registers (4 blocks) the remainder
+// layouts spill 8-16 B even with the arithmetic 8-bit codes (ptxas, CUDA 13, sm_90). A block does ONE
+// quantization block per warp (no loop): with a loop, its invariants spilled even at 80 registers.
+// tests/test_nvcc.py prints the counts.
 constexpr int kCodedMinBlocksPerSM = 3;
 constexpr int kCodedMaxTensors = 40;                      // tensors per launch (parameter space < 4 KB)
 constexpr float kF8Max = 448.0f;                          // codecs.F8_MAX: largest finite e4m3fn
+constexpr float kM8Levels = 127.0f;                       // codecs.M8_LEVELS: exp_avg codes -127..127
+constexpr float kV8Levels = 255.0f;                       // codecs.V8_LEVELS: exp_avg_sq codes 0..255 of sqrt(v)
+constexpr float kFltMax = 3.4028234663852886e38f;         // the largest finite fp32 (codecs._FLT_MAX)
+constexpr uint32_t kCanonicalNaN = 0x7FC00000u;           // an 8-bit block's NaN scale (codecs.block_absmax)
 static_assert(kThreads % 32 == 0 && kCodedChunk % kQBlock == 0, "blocks must hold whole warps and blocks");
 
 // Master layout (template parameter): as MASTER_KIND of kernels/adam_coded.py.
@@ -80,10 +102,6 @@ struct CodedScalars {
   AdamScalars adam;       // coeffs, grad_scale, found_inf and the update's scalars (cuda_adam_kernel.cuh)
   const int64_t* keys;    // [T, 3] on the device: SR key of exp_avg, of exp_avg_sq (uint32 values), and
                           // the flat index of element 0 (index_offset, used mod 2^32)
-  const float* m_table;   // [256] exp_avg code book (kMomU8), read only
-  const float* m_mid;     // [255] its midpoints
-  const float* v_table;   // [256] exp_avg_sq code book
-  const float* v_mid;     // [255] its midpoints
   int32_t grad_dtype;     // Dtype16: kNone means fp32
   int32_t p16_dtype;      // Dtype16 of params16 (kBF16 with remainders), kNone when absent
 };
@@ -180,16 +198,17 @@ __device__ __forceinline__ uint32_t encode_f8(float y) {
   return (code & 0xFFu) | sign;
 }
 
-// encode_q8: the number of the 255 midpoints strictly below y (8-step branchless binary search);
-// 255 for NaN, as torch.bucketize places NaN after every boundary.
-__device__ __forceinline__ uint32_t encode_q8(float y, const float* __restrict__ mid) {
-  uint32_t code = 0;
-#pragma unroll
-  for (int b = 7; b >= 0; --b) {
-    const uint32_t step = 1u << b;
-    code = __ldg(mid + code + step - 1) < y ? code + step : code;
-  }
-  return y != y ? 255u : code;
+// The 8-bit moment codes (codecs.encode_m8 / encode_v8), given inv = levels / scale, finite or 0.
+// encode_m8: round half to even (cvt.rni) of m * inv, as int8 bits; 0 where inv == 0 (x may be inf or
+// NaN there, and x * 0 would not be 0).
+__device__ __forceinline__ uint32_t encode_m8(float x, float inv) {
+  const int32_t code = __float2int_rn(zk::cuda_adam::mul_rn(x, inv));
+  return inv == 0.0f ? 0u : uint32_t(code) & 0xFFu;
+}
+// encode_v8: s = sqrt(v) >= 0 rounded UP (cvt.rpi) after the multiply, at most 255; 0 where inv == 0.
+__device__ __forceinline__ uint32_t encode_v8(float s, float inv) {
+  const uint32_t code = min(__float2uint_ru(zk::cuda_adam::mul_rn(s, inv)), 255u);
+  return inv == 0.0f ? 0u : code;
 }
 
 // split_remainder: fp32 bits -> (bf16 = round-to-nearest-even, int16 remainder with the tie 0x8000
@@ -213,11 +232,12 @@ __device__ __forceinline__ uint32_t warp_max_u32(uint32_t a) {
 #endif
 }
 
-// One lane's 8 elements of a moment, decoded to fp32. `q`: the quantization block (scale index).
-template <int K>
-__device__ __forceinline__ void load_moment(const void* ptr, const float* __restrict__ scales,
-                                            const float* __restrict__ table, int64_t e0, int64_t q, bool vec,
-                                            int valid, float (&x)[kLaneElems]) {
+// One lane's 8 elements of a moment, decoded to fp32. K: MomentKind; kSq: this is exp_avg_sq (for
+// kMomU8: the square-root-domain code of codecs.decode_v8, else the signed one of decode_m8). `q`: the
+// quantization block (scale index).
+template <int K, bool kSq>
+__device__ __forceinline__ void load_moment(const void* ptr, const float* __restrict__ scales, int64_t e0,
+                                            int64_t q, bool vec, int valid, float (&x)[kLaneElems]) {
   uint32_t raw[kLaneElems];
   if constexpr (K == kMomF32 || K == kMomBF16) {
     load8<std::conditional_t<K == kMomF32, uint32_t, uint16_t>>(
@@ -227,18 +247,32 @@ __device__ __forceinline__ void load_moment(const void* ptr, const float* __rest
   } else {
     load8<uint8_t>(static_cast<const uint8_t*>(ptr) + e0, vec, valid, raw);
     const float scale = scales[q];   // one address for the whole warp: one broadcast transaction
+    if constexpr (K == kMomF8) {
 #pragma unroll
-    for (int j = 0; j < kLaneElems; ++j)
-      x[j] = zk::cuda_adam::mul_rn(K == kMomU8 ? __ldg(table + raw[j]) : decode_f8(raw[j]), scale);
+      for (int j = 0; j < kLaneElems; ++j) x[j] = zk::cuda_adam::mul_rn(decode_f8(raw[j]), scale);
+    } else if constexpr (kSq) {      // decode_v8: d = code * (scale / 255), v = d * d
+      const float step = zk::cuda_adam::div_rn(scale, kV8Levels);
+#pragma unroll
+      for (int j = 0; j < kLaneElems; ++j) {
+        const float d = zk::cuda_adam::mul_rn(__uint2float_rn(raw[j]), step);
+        x[j] = zk::cuda_adam::mul_rn(d, d);
+      }
+    } else {                         // decode_m8: m = int8(code) * (scale / 127)
+      const float step = zk::cuda_adam::div_rn(scale, kM8Levels);
+#pragma unroll
+      for (int j = 0; j < kLaneElems; ++j)
+        x[j] = zk::cuda_adam::mul_rn(__int2float_rn(int32_t(int8_t(uint8_t(raw[j])))), step);
+    }
   }
 }
 
 // Encode one lane's 8 updated elements and store them; blockwise formats also store the block's new
-// scale (lane 0). Called by all 32 lanes of the warp (the absmax is a warp reduction).
-template <int K>
+// scale (lane 0). Called by all 32 lanes of the warp (the absmax is a warp reduction). K, kSq: as for
+// load_moment; for kMomU8 with kSq, x holds sqrt(v), what the code is taken of (see the kernel).
+template <int K, bool kSq>
 __device__ __forceinline__ void store_moment(const float (&x)[kLaneElems], void* ptr, float* __restrict__ scales,
-                                             const float* __restrict__ mid, int64_t e0, int64_t q, bool vec,
-                                             int valid, uint32_t index0, uint32_t key) {
+                                             int64_t e0, int64_t q, bool vec, int valid, uint32_t index0,
+                                             uint32_t key) {
   uint32_t raw[kLaneElems];
   if constexpr (K == kMomF32 || K == kMomBF16) {
 #pragma unroll
@@ -250,12 +284,19 @@ __device__ __forceinline__ void store_moment(const float (&x)[kLaneElems], void*
     uint32_t amax = 0;   // block_absmax on the bits; lanes past the end contribute 0
 #pragma unroll
     for (int j = 0; j < kLaneElems; ++j) amax = max(amax, j < valid ? __float_as_uint(x[j]) & 0x7FFFFFFFu : 0u);
-    float scale = __uint_as_float(warp_max_u32(amax));
-    if constexpr (K == kMomF8) scale = zk::cuda_adam::div_rn(scale, kF8Max);
+    const uint32_t block_max = warp_max_u32(amax);
+    float scale;
+    if constexpr (K == kMomF8) {     // codecs.encode_f8: scale = absmax / 448, code = e4m3fn(x / scale)
+      scale = zk::cuda_adam::div_rn(__uint_as_float(block_max), kF8Max);
 #pragma unroll
-    for (int j = 0; j < kLaneElems; ++j) {
-      const float y = scale == 0.0f ? 0.0f : zk::cuda_adam::div_rn(x[j], scale);   // codecs.scaled_blocks
-      raw[j] = K == kMomU8 ? encode_q8(y, mid) : encode_f8(y);
+      for (int j = 0; j < kLaneElems; ++j)
+        raw[j] = encode_f8(scale == 0.0f ? 0.0f : zk::cuda_adam::div_rn(x[j], scale));
+    } else {                         // codecs.encode_m8 / encode_v8; any NaN scale is the canonical one
+      scale = __uint_as_float(block_max > 0x7F800000u ? kCanonicalNaN : block_max);
+      const float inv = zk::cuda_adam::div_rn(kSq ? kV8Levels : kM8Levels, scale);
+      const float inv_or_0 = inv <= kFltMax ? inv : 0.0f;   // false for inf and NaN
+#pragma unroll
+      for (int j = 0; j < kLaneElems; ++j) raw[j] = kSq ? encode_v8(x[j], inv_or_0) : encode_m8(x[j], inv_or_0);
     }
     store8<uint8_t>(static_cast<uint8_t*>(ptr) + e0, vec, valid, raw);
     if ((threadIdx.x & 31u) == 0) scales[q] = scale;
@@ -334,13 +375,16 @@ fused_adam_coded_kernel(const __grid_constant__ CodedTensorTable table,  // the 
     for (int j = 0; j < kLaneElems; ++j)
       g[j] = gdt == kBF16 ? __uint_as_float(raw[j] << 16) : __half2float(__ushort_as_half((unsigned short)raw[j]));
   }
-  load_moment<kM>(m_ptr, m_scales, s.m_table, e0, q, vec, valid, m);
-  load_moment<kV>(v_ptr, v_scales, s.v_table, e0, q, vec, valid, v);
+  load_moment<kM, false>(m_ptr, m_scales, e0, q, vec, valid, m);
+  load_moment<kV, true>(v_ptr, v_scales, e0, q, vec, valid, v);
 
 #pragma unroll
   for (int j = 0; j < kLaneElems; ++j) {
     float unused = 0.f;
-    zk::cuda_adam::adam_update<false>(p[j], g[j], m[j], v[j], unused, c, gmul, s.adam);
+    const float root = zk::cuda_adam::adam_update<false>(p[j], g[j], m[j], v[j], unused, c, gmul, s.adam);
+    // A uint8 exp_avg_sq is coded in the square-root domain: from here on v holds sqrt(v_new), the
+    // square root the denominator took (codecs.encode_v8 takes the same IEEE sqrt of the same v).
+    if constexpr (kV == kMomU8) v[j] = root;
   }
 
   if constexpr (kMasterKind == kMasterRemainder) {
@@ -363,8 +407,8 @@ fused_adam_coded_kernel(const __grid_constant__ CodedTensorTable table,  // the 
   }
   // The moments last: p is dead by then, which leaves registers for the 8-bit encodes.
   const uint32_t index0 = uint32_t(e0) + index_offset;   // flat index mod 2^32 of element e0
-  store_moment<kM>(m, m_ptr, m_scales, s.m_mid, e0, q, vec, valid, index0, m_key);
-  store_moment<kV>(v, v_ptr, v_scales, s.v_mid, e0, q, vec, valid, index0, v_key);
+  store_moment<kM, false>(m, m_ptr, m_scales, e0, q, vec, valid, index0, m_key);
+  store_moment<kV, true>(v, v_ptr, v_scales, e0, q, vec, valid, index0, v_key);
 }
 
 // Every (master, exp_avg, exp_avg_sq) layout, instantiated explicitly: by csrc/cuda_adam_coded.cu

@@ -194,9 +194,11 @@ __device__ __forceinline__ float max_nan(float a, float b) {
 }
 __device__ __forceinline__ float neg(float a) { return __uint_as_float(__float_as_uint(a) ^ 0x80000000u); }
 
+// Returns the square root the denominator took (sqrt(v), sqrt(vmax) with amsgrad): the coded kernel's
+// 8-bit exp_avg_sq code is taken of sqrt(v) ([Note: the coded CUDA kernel]) and reuses it.
 template <bool kAmsgrad>
-__device__ __forceinline__ void adam_update(float& p, float g, float& m, float& v, float& vmax,
-                                            const Coef& c, float gmul, const AdamScalars& s) {
+__device__ __forceinline__ float adam_update(float& p, float g, float& m, float& v, float& vmax,
+                                             const Coef& c, float gmul, const AdamScalars& s) {
   // gmul = grad_scale, negated for maximize: RNE is sign-symmetric, so g * (-gs) == -(g * gs)
   // bit for bit and g * (+-1) == +-g; one multiply instead of two flag-dependent branches.
   g = mul_rn(g, gmul);
@@ -212,8 +214,10 @@ __device__ __forceinline__ void adam_update(float& p, float g, float& m, float& 
     vmax = max_nan(vmax, v);
     vd = vmax;
   }
-  const float denom = add_rn(div_rn(sqrt_rn(vd), c.bc2_sqrt), s.eps);
+  const float root = sqrt_rn(vd);
+  const float denom = add_rn(div_rn(root, c.bc2_sqrt), s.eps);
   p = sub_rn(p, div_rn(mul_rn(c.step_size, m), denom));
+  return root;
 }
 
 template <typename T>

@@ -8,7 +8,8 @@ nvcc is absent. Two kinds of compile, started together and checked by separate t
 * each ``csrc/*.cuh`` alone, without torch headers, in a generated translation unit that expands
   the header's ``ZK_..._INSTANTIATE_ALL()`` macro (every template combination); its PTX is also
   checked: IEEE fp32 operations only, the header's NaN-propagating max (``NAN_MAX``), 128-bit
-  global loads and stores, no shared memory.
+  global loads and stores, no shared memory; for the coded kernel, the arithmetic 8-bit moment codes
+  (their rounding conversions in exactly the kernels with a uint8 moment, no code-book gather).
 
 Why the second one, and the stub header. A CPU-only torch wheel ships the ATen/c10 CUDA headers
 but not what some of them include: ``ATen/cuda/CUDAContext.h`` needs cuSPARSE/cuBLAS headers (not
@@ -246,3 +247,44 @@ def test_kernel_ptx_streams(name, arch, compiles):
     print(f"\n{name} sm_{arch}: 128-bit loads {wide_ld}, stores {wide_st}, shared-memory references {shared}")
     assert wide_ld and wide_st, f"{name} sm_{arch}: no 128-bit global accesses in the PTX"
     assert shared == 0, f"{name} sm_{arch}: {shared} shared-memory references in the PTX"
+
+
+# [Note: the coded CUDA kernel]: the uint8 moments are arithmetic codes ([Note: state codecs] 2). An
+# entry's template arguments <master kind, exp_avg kind, exp_avg_sq kind> are in its mangled name
+# (MomentKind: 0 fp32, 1 bf16, 2 uint8, 3 float8_e4m3fn).
+_CODED_ENTRY = re.compile(r"\.entry\s+(_Z\w*fused_adam_coded_kernelILi(\d)ELi(\d)ELi(\d)EE\w*)")
+_U8, _F8 = 2, 3
+_SCALAR_F32_LOAD = re.compile(r"\bld\.global(?:\.nc)?(?:\.L\w+::\w+)*\.f32\b")
+
+
+def _ptx_entries(ptx: str, entry: re.Pattern) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{mangled name: (integer template arguments, PTX body up to the next entry)}, comments stripped."""
+    body = "\n".join(line.split("//")[0] for line in ptx.splitlines())
+    found = list(entry.finditer(body))
+    return {m.group(1): (tuple(int(g) for g in m.groups()[1:]), body[m.end():nxt.start() if nxt else len(body)])
+            for m, nxt in zip(found, found[1:] + [None])}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_coded_kernel_ptx_has_arithmetic_8bit_codes(arch, compiles):
+    """The 8-bit moment codes are arithmetic (codecs.encode_m8 / encode_v8), with the right code for each
+    moment: an exp_avg encode rounds half to even into an integer (``cvt.rni.s32.f32``), an exp_avg_sq encode
+    rounds its sqrt(v) up (``cvt.rpi.u32.f32``), each in exactly the kernels with that uint8 moment (a kernel
+    that swapped them, or coded a moment of another format so, fails). And no kernel gathers from a code book:
+    its only scalar fp32 global loads are the 3 coefficients, the grad scale and one block scale per blockwise
+    moment (a table decode adds one per element, a midpoint search 8 per element)."""
+    name = "cuda_adam_coded_kernel.cuh"
+    entries = _ptx_entries(_ptx(name, arch, compiles), _CODED_ENTRY)
+    assert len(entries) == 32, f"{name} sm_{arch}: expected 32 coded kernels in the PTX, found {len(entries)}"
+    bad = []
+    for (mk, m, v), body in sorted(entries.values()):
+        rni = len(re.findall(r"\bcvt\.rni\.s32\.f32\b", body))
+        rpi = len(re.findall(r"\bcvt\.rpi\.u32\.f32\b", body))
+        f32_loads = len(_SCALAR_F32_LOAD.findall(body))
+        most = 4 + (m in (_U8, _F8)) + (v in (_U8, _F8))
+        if (rni > 0) != (m == _U8) or (rpi > 0) != (v == _U8) or f32_loads > most:
+            bad.append(f"  <master {mk}, exp_avg {m}, exp_avg_sq {v}>: cvt.rni.s32.f32 x{rni}, "
+                       f"cvt.rpi.u32.f32 x{rpi}, scalar fp32 loads {f32_loads} (at most {most})")
+    print(f"\n{name} sm_{arch}: {len(entries)} coded kernels, 8-bit codes checked")
+    assert not bad, (f"{name} sm_{arch}: want cvt.rni.s32.f32 iff exp_avg is uint8, cvt.rpi.u32.f32 iff "
+                     "exp_avg_sq is uint8, no code-book loads:\n" + "\n".join(bad))

@@ -7,8 +7,12 @@ Covered: each (exp_avg, exp_avg_sq) format pair of fp32 / bf16 (stochastic round
 each master layout (fp32 parameters, bf16 or fp16 parameters with an fp32 master, bf16 parameters with int16
 remainders); sizes below one block, partial last blocks and several CUDA blocks; tensors below min_8bit_size (fp32
 moments in the same group: two layouts in one step); gradients at unaligned addresses (the kernels' element-wise
-path); fp32 / bf16 / fp16 gradients (with the parameters' dtype); GradScaler's grad_scale and a found_inf that skips the step; a NaN gradient
-(NaN block scales and codes).
+path); fp32 / bf16 / fp16 gradients (with the parameters' dtype); GradScaler's grad_scale and a found_inf that skips the
+step; a NaN gradient (NaN block scales and codes); the arithmetic uint8 codes of [Note: state codecs] 2 at their edges
+(round-half-even ties of exp_avg, exact integers and values just above them for exp_avg_sq's ceil, all-zero, subnormal
+and overflowing blocks, inf and NaN blocks, a partial last block).
+
+Run on a GPU: ``TRITON_INTERPRET=0 python -m pytest tests/gpu/test_gpu_coded.py -q -rs``.
 """
 import pytest
 import torch
@@ -154,8 +158,9 @@ def test_grad_scale_and_found_inf(backend, fmt):
                                  dict(exp_avg_dtype=BF, exp_avg_sq_dtype=BF, store_param_remainders=True)],
                          ids=["u8-f8", "bf16-rem"])
 def test_nan_gradient(backend, fmt):
-    """A NaN gradient element: its block's scales, codes (255 / 0x7F), bf16 moments (0x7FC0) and remainders
-    (0x7FC0, 0) exactly as the reference writes them, the other blocks unaffected. Bit for bit including NaN
+    """A NaN gradient element: its block's scales (uint8: the canonical NaN 0x7FC00000, float8: NaN / 448), codes
+    (uint8: 0, the inverse scale being 0; float8: 0x7F), bf16 moments (0x7FC0) and remainders (0x7FC0, 0) exactly as
+    the reference writes them, the other blocks unaffected. Bit for bit including NaN
     payloads: every NaN that is stored comes out of an fp32 operation, and a GPU returns the canonical NaN
     0x7FFFFFFF from each (x86 propagates an operand's payload instead: on the CPU, the Triton interpreter's
     decoded float8 NaN keeps another payload than torch's, so this comparison is for GPUs only)."""
@@ -165,3 +170,69 @@ def test_nan_gradient(backend, fmt):
     _assert_same(ours, _run("reference", dtype, HP[0], fmt, nan_at=(1, 300)), f"{backend} {fmt} NaN")
     p = ours[0][5]
     assert torch.isnan(p.detach().float().reshape(-1)[300]) and not torch.isnan(p.detach().float().reshape(-1)[0])
+
+
+def _edge_grads(dtype):
+    """A first-step gradient whose moments hit the edges of the uint8 codes. With beta1 = 0.5, beta2 = 0.75 and
+    zero initial moments the first step stores m = g / 2 and v = (g / 4) * g, so s = sqrt(v) = |g| / 2 exactly
+    wherever g * g is exact. Blocks of 256 (every value exact in bf16 too, except where noted):
+      0  m / scale * 127 = j + 1/2 for j in -127..126: every round-half-even tie (scale 127/8, inverse 8 exactly)
+      1  s = j / 8 for j in 0..255 with alternating signs: s * (255 / scale) = j exactly, ceil keeps it
+      2  block 1 times (1 + 2^-20) below its unchanged maximum: just above each integer, ceil adds one (fp32 only)
+      3  zeros: scale 0, inverse 0, codes 0
+      4  m subnormal, |m| <= 1e-38: 127 / scale overflows, inverse 0, codes 0; v underflows to 0
+      5  v subnormal (|g| ~ 2e-21), s normal: no flush to zero anywhere
+      6  |g| up to 3.4e38 and one +inf: v overflows, the v (and m) scale is inf, inverse 0
+      7  a partial block of 100 with a NaN: canonical NaN scales"""
+    j = torch.arange(256, dtype=torch.float64)
+    ties = torch.cat([torch.arange(-127, 127, dtype=torch.float64) + 0.5, torch.tensor([127.0, -127.0])]) / 4
+    sign = 1 - 2 * (j % 2)
+    exact = sign * j / 4
+    above = exact * torch.where(j == 255, 1.0, 1 + 2.0 ** -20)
+    gen = torch.Generator().manual_seed(5)
+    tiny = torch.randn(256, generator=gen, dtype=torch.float64).clamp(-2, 2) * 1e-38
+    subnormal_v = torch.randn(256, generator=gen, dtype=torch.float64) * 2e-21
+    huge = (torch.rand(256, generator=gen, dtype=torch.float64) * 2 - 1) * 3.4e38
+    huge[7], huge[8] = float("inf"), -3.4e38
+    tail = torch.randn(100, generator=gen, dtype=torch.float64)
+    tail[42] = float("nan")
+    g = torch.cat([ties, exact, above, torch.zeros(256), tiny, subnormal_v, huge, tail]).float()
+    return g.to("cuda", dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("master", ["fp32", "bf16+rem"])
+def test_uint8_codes_at_their_edges(backend, master):
+    """uint8 exp_avg and exp_avg_sq ([Note: state codecs] 2) from the edge gradient of :func:`_edge_grads`, then two
+    ordinary steps that decode those codes (negative int8 codes, zero, inf and NaN scales), bit for bit against the
+    reference: a kernel rounding ties away from zero, rounding sqrt(v) to nearest, coding v instead of sqrt(v),
+    flushing subnormals or keeping a non-canonical NaN scale differs here."""
+    backend = _backend(backend)
+    dtype, rem = MASTERS[master]
+    fmt = dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8, store_param_remainders=rem, min_8bit_size=1)
+    hp = dict(lr=1e-3, betas=(0.5, 0.75), eps=1e-8, weight_decay=0.0)
+    first = _edge_grads(dtype)
+
+    def run(name):
+        gen = torch.Generator(device="cuda").manual_seed(11)
+        params = [torch.nn.Parameter(torch.randn(first.shape, generator=gen, device="cuda").to(dtype))]
+        opt = zk.FusedAdamW(params, backend=name, **hp, **fmt)
+        for t in range(3):
+            params[0].grad = first.clone() if t == 0 else torch.randn(first.shape, generator=gen, device="cuda").to(dtype)
+            opt.step()
+        torch.cuda.synchronize()
+        return params, opt
+
+    ours, ref = run(backend), run("reference")
+    _assert_same(ours, ref, f"{backend} {master} uint8 edges")
+    # The edges were reached: after step 1 the reference's codes show the ties and the special blocks.
+    params = [torch.nn.Parameter(torch.zeros(first.shape, device="cuda", dtype=dtype))]
+    opt = zk.FusedAdamW(params, backend="reference", **hp, **fmt)
+    params[0].grad = first.clone()
+    opt.step()
+    st = opt.state[params[0]]
+    m_codes = st["exp_avg"].view(torch.int8)[:256].tolist()
+    assert m_codes[:6] == [-126, -126, -124, -124, -122, -122], m_codes[:6]   # -126.5 -> -126, -125.5 -> -126, ...
+    scale = st["exp_avg_sq_scale"].view(torch.int32).tolist()
+    assert scale[3] == 0 and scale[6] == 0x7F800000 and scale[7] == 0x7FC00000, [hex(x & 0xFFFFFFFF) for x in scale]
+    assert int(st["exp_avg"][4 * 256:5 * 256].count_nonzero()) == 0
