@@ -4,7 +4,6 @@ initialisation; only the optimizer's state format changes between runs.
     python bench/quality_states.py                     # default run, 400 steps (about 15 minutes on 2 cores)
     python bench/quality_states.py --plot docs/quality_states.png     # the README's table and plot
     python bench/quality_states.py --tiny --steps 150  # the short version (tests/test_quality_states.py)
-    python bench/quality_states.py --codebooks         # + every 8-bit (m, v) code book pair
 
 Model: pre-LayerNorm GPT-2 block stack (token + position embeddings, causal attention, GELU MLP, tied
 head), ``GPTConfig`` below (~0.41M parameters), randomly initialised from a fixed seed. Data: a
@@ -18,7 +17,7 @@ pure-torch ``reference``; the table says which ran), fp32 parameters with fp32, 
 8-bit blockwise and float8_e4m3fn blockwise moments; bf16 parameters with an fp32 master and fp32 moments
 (their own anchor), with bf16 moments, with 8-bit moments, and with 8-bit moments + int16 remainders.
 "codecs ..." rows call zero_kernels.codecs.adam_step_coded directly, for what the optimizer does not expose:
-bf16 round-to-nearest (the control that freezes v) and, with --codebooks, the other 8-bit code books.
+bf16 round-to-nearest (the control that freezes v).
 bitsandbytes.optim.AdamW8bit and torchao.optim.AdamW8bit run on the same run with their defaults (fp32
 parameters; rows say why when missing; ``pip install bitsandbytes==0.50.2 torchao==0.18.0``, the versions
 of the README's table, or ``python bench/bench_states.py --setup``).
@@ -129,13 +128,12 @@ def lr_at(step: int, steps: int, peak: float) -> float:
 
 def coded_stepper(params: list[nn.Parameter], **fmt) -> Callable[[float], None]:
     rounding = fmt.pop("bf16_rounding", "stochastic")
-    codes = {k: fmt.pop(k) for k in ("m_code", "v_code") if k in fmt}
-    states = [codecs.init_coded_state(p.data, **fmt, **codes) for p in params]
+    states = [codecs.init_coded_state(p.data, **fmt) for p in params]
 
     def step(lr: float) -> None:
         for i, (p, s) in enumerate(zip(params, states)):
             codecs.adam_step_coded(p.data, p.grad, s, lr=lr, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
-                                   weight_decay=WD, adamw=True, seed=i, bf16_rounding=rounding, **codes)
+                                   weight_decay=WD, adamw=True, seed=i, bf16_rounding=rounding)
     step.states = states
     return step
 
@@ -186,7 +184,7 @@ def zk_stepper(params: list[nn.Parameter], fmt: dict, backend: str) -> Callable[
 
 
 def make_run(kind: str, params: list[nn.Parameter], backend: str = "auto") -> Callable[[float], None]:
-    u8, bf = U8, BF
+    bf = BF
     if kind in OURS:
         return zk_stepper(params, dict(OURS[kind]), backend)
     if kind == "torch AdamW fp32":
@@ -199,9 +197,6 @@ def make_run(kind: str, params: list[nn.Parameter], backend: str = "auto") -> Ca
         return torch_stepper(torchao.optim.AdamW8bit(params, lr=0.0, betas=BETAS, eps=EPS, weight_decay=WD))
     if kind == "codecs bf16 RNE (control)":
         return coded_stepper(params, exp_avg_dtype=bf, exp_avg_sq_dtype=bf, bf16_rounding="nearest")
-    if kind.startswith("codecs 8-bit m="):                # "codecs 8-bit m=<code> v=<code>"
-        m, v = (w.split("=")[1] for w in kind.split()[2:])
-        return coded_stepper(params, exp_avg_dtype=u8, exp_avg_sq_dtype=u8, m_code=m, v_code=v)
     raise ValueError(f"unknown row {kind!r}")
 
 
@@ -232,7 +227,6 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--codebooks", action="store_true", help="also every 8-bit (m, v) code-book pair")
     ap.add_argument("--only", default=None, help="comma-separated substrings: run only matching rows")
     ap.add_argument("--plot", default=None, help="write the loss curves to this PNG")
     ap.add_argument("--backend", default="auto", choices=["auto", "cpu", "reference", "triton"],
@@ -252,9 +246,6 @@ def main(argv=None) -> None:
     data.offset = 100_000 * args.seed
     evals = [data.batch(32, args.cfg.seq, seed=99 + i + data.offset) for i in range(4)]
     kinds = ["torch AdamW fp32", *OURS, "codecs bf16 RNE (control)", *EIGHT_BIT_ANCHORS]
-    if args.codebooks:
-        kinds += [f"codecs 8-bit m={m} v={v}" for m in ("dynamic_signed", "linear_signed")
-                  for v in ("dynamic_unsigned", "linear_unsigned", "sqrt_unsigned")]
     if args.only:
         kinds = [k for k in kinds if k == "torch AdamW fp32" or any(w in k for w in args.only.split(","))]
     n = sum(v.numel() for v in init.values())

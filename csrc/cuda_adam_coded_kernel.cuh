@@ -30,15 +30,15 @@
 // lane, no shuffle, no shared memory), then per element one multiply and one rounding conversion:
 //   exp_avg:    decode m = float(int8 code) * (scale / 127);
 //               encode code = cvt.rni.s32 (round half even) of m * (127 / scale)    (|code| <= 127)
-//   exp_avg_sq: decode d = float(code) * (scale / 255), v = d * d;
-//               encode code = min(cvt.rpi.u32 (ceil) of s * (255 / scale), 255) with s = sqrt(v), the
-//               square root adam_update took for the denominator (so a uint8 exp_avg_sq keeps s, not
-//               v, in its registers after the update: no second sqrt, no extra registers).
+//   exp_avg_sq: decode d = float(code) * (scale / 255), v = (d * d) * (d * d);
+//               encode code = cvt.rni.s32 of r * (255 / scale), raised to 1 where r > 0, with
+//               r = sqrt(s) and s = sqrt(v) the square root adam_update took for the denominator (so a
+//               uint8 exp_avg_sq keeps r, not v, in its registers after the update).
 // The inverse 127 / scale (255 / scale) is replaced by 0 unless finite: a block of zeros, a scale so
 // tiny that the inverse overflows, or an inf / NaN block (its scale NaN, stored as the canonical NaN
 // 0x7FC00000; then its codes are 0 and it decodes to NaN everywhere, as the fp32 state would be
 // poisoned). With a finite inverse every |x| <= scale gives |x * inv| <= levels + a few ulps, so the
-// rounding stays within the code range (ceil can reach 256 only there: hence the min).
+// rounding to nearest stays within the code range.
 // Numerics. Every codec is integer work on the bits plus IEEE fp32 operations (the inline-PTX helpers
 // of cuda_adam_kernel.cuh: div.rn, add.rn, mul.rn, sqrt.rn; the float <-> int conversions are exact or
 // the rounding the codec names), so the result is the reference's, bit for bit.
@@ -205,10 +205,12 @@ __device__ __forceinline__ uint32_t encode_m8(float x, float inv) {
   const int32_t code = __float2int_rn(zk::cuda_adam::mul_rn(x, inv));
   return inv == 0.0f ? 0u : uint32_t(code) & 0xFFu;
 }
-// encode_v8: s = sqrt(v) >= 0 rounded UP (cvt.rpi) after the multiply, at most 255; 0 where inv == 0.
-__device__ __forceinline__ uint32_t encode_v8(float s, float inv) {
-  const uint32_t code = min(__float2uint_ru(zk::cuda_adam::mul_rn(s, inv)), 255u);
-  return inv == 0.0f ? 0u : code;
+// encode_v8: r = v^(1/4) >= 0 times inv, rounded half to even (cvt.rni, <= 255), raised to 1 where
+// r > 0 (compared on the bits: no flush-to-zero compare drops a subnormal r); 0 where inv == 0.
+__device__ __forceinline__ uint32_t encode_v8(float r, float inv) {
+  const int32_t code = __float2int_rn(zk::cuda_adam::mul_rn(r, inv));
+  const int32_t raised = int32_t(__float_as_uint(r)) > 0 ? max(code, 1) : code;
+  return inv == 0.0f ? 0u : uint32_t(raised);
 }
 
 // split_remainder: fp32 bits -> (bf16 = round-to-nearest-even, int16 remainder with the tie 0x8000
@@ -233,7 +235,7 @@ __device__ __forceinline__ uint32_t warp_max_u32(uint32_t a) {
 }
 
 // One lane's 8 elements of a moment, decoded to fp32. K: MomentKind; kSq: this is exp_avg_sq (for
-// kMomU8: the square-root-domain code of codecs.decode_v8, else the signed one of decode_m8). `q`: the
+// kMomU8: the fourth-root-domain code of codecs.decode_v8, else the signed one of decode_m8). `q`: the
 // quantization block (scale index).
 template <int K, bool kSq>
 __device__ __forceinline__ void load_moment(const void* ptr, const float* __restrict__ scales, int64_t e0,
@@ -250,12 +252,13 @@ __device__ __forceinline__ void load_moment(const void* ptr, const float* __rest
     if constexpr (K == kMomF8) {
 #pragma unroll
       for (int j = 0; j < kLaneElems; ++j) x[j] = zk::cuda_adam::mul_rn(decode_f8(raw[j]), scale);
-    } else if constexpr (kSq) {      // decode_v8: d = code * (scale / 255), v = d * d
+    } else if constexpr (kSq) {      // decode_v8: d = code * (scale / 255), v = (d * d) * (d * d)
       const float step = zk::cuda_adam::div_rn(scale, kV8Levels);
 #pragma unroll
       for (int j = 0; j < kLaneElems; ++j) {
         const float d = zk::cuda_adam::mul_rn(__uint2float_rn(raw[j]), step);
-        x[j] = zk::cuda_adam::mul_rn(d, d);
+        const float d2 = zk::cuda_adam::mul_rn(d, d);
+        x[j] = zk::cuda_adam::mul_rn(d2, d2);
       }
     } else {                         // decode_m8: m = int8(code) * (scale / 127)
       const float step = zk::cuda_adam::div_rn(scale, kM8Levels);
@@ -268,7 +271,7 @@ __device__ __forceinline__ void load_moment(const void* ptr, const float* __rest
 
 // Encode one lane's 8 updated elements and store them; blockwise formats also store the block's new
 // scale (lane 0). Called by all 32 lanes of the warp (the absmax is a warp reduction). K, kSq: as for
-// load_moment; for kMomU8 with kSq, x holds sqrt(v), what the code is taken of (see the kernel).
+// load_moment; for kMomU8 with kSq, x holds v^(1/4), what the code is taken of (see the kernel).
 template <int K, bool kSq>
 __device__ __forceinline__ void store_moment(const float (&x)[kLaneElems], void* ptr, float* __restrict__ scales,
                                              int64_t e0, int64_t q, bool vec, int valid, uint32_t index0,
@@ -382,9 +385,9 @@ fused_adam_coded_kernel(const __grid_constant__ CodedTensorTable table,  // the 
   for (int j = 0; j < kLaneElems; ++j) {
     float unused = 0.f;
     const float root = zk::cuda_adam::adam_update<false>(p[j], g[j], m[j], v[j], unused, c, gmul, s.adam);
-    // A uint8 exp_avg_sq is coded in the square-root domain: from here on v holds sqrt(v_new), the
-    // square root the denominator took (codecs.encode_v8 takes the same IEEE sqrt of the same v).
-    if constexpr (kV == kMomU8) v[j] = root;
+    // A uint8 exp_avg_sq is coded in the fourth-root domain: from here on v holds sqrt(sqrt(v_new)),
+    // the second root of the one the denominator took (codecs.encode_v8: the same two IEEE sqrts).
+    if constexpr (kV == kMomU8) v[j] = zk::cuda_adam::sqrt_rn(root);
   }
 
   if constexpr (kMasterKind == kMasterRemainder) {

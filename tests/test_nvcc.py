@@ -268,23 +268,26 @@ def _ptx_entries(ptx: str, entry: re.Pattern) -> dict[str, tuple[tuple[int, ...]
 @pytest.mark.parametrize("arch", ARCHS)
 def test_coded_kernel_ptx_has_arithmetic_8bit_codes(arch, compiles):
     """The 8-bit moment codes are arithmetic (codecs.encode_m8 / encode_v8), with the right code for each
-    moment: an exp_avg encode rounds half to even into an integer (``cvt.rni.s32.f32``), an exp_avg_sq encode
-    rounds its sqrt(v) up (``cvt.rpi.u32.f32``), each in exactly the kernels with that uint8 moment (a kernel
-    that swapped them, or coded a moment of another format so, fails). And no kernel gathers from a code book:
+    moment: both encodes round half to even into an integer (``cvt.rni.s32.f32``), the exp_avg_sq one of v^(1/4),
+    a second ``sqrt.rn.f32`` after the denominator's; a kernel with a uint8 moment has the rounding, one without
+    has none, and a uint8 exp_avg_sq adds the square root. And no kernel gathers from a code book:
     its only scalar fp32 global loads are the 3 coefficients, the grad scale and one block scale per blockwise
     moment (a table decode adds one per element, a midpoint search 8 per element)."""
     name = "cuda_adam_coded_kernel.cuh"
     entries = _ptx_entries(_ptx(name, arch, compiles), _CODED_ENTRY)
     assert len(entries) == 32, f"{name} sm_{arch}: expected 32 coded kernels in the PTX, found {len(entries)}"
     bad = []
+    count = lambda body: len(re.findall(r"\bsqrt\.rn\.f32\b", body))    # noqa: E731
+    plain = {(mk, m): count(body) for (mk, m, v), body in entries.values() if v == 0}   # fp32 exp_avg_sq
     for (mk, m, v), body in sorted(entries.values()):
         rni = len(re.findall(r"\bcvt\.rni\.s32\.f32\b", body))
-        rpi = len(re.findall(r"\bcvt\.rpi\.u32\.f32\b", body))
+        sqrts = count(body)
         f32_loads = len(_SCALAR_F32_LOAD.findall(body))
         most = 4 + (m in (_U8, _F8)) + (v in (_U8, _F8))
-        if (rni > 0) != (m == _U8) or (rpi > 0) != (v == _U8) or f32_loads > most:
+        want_sqrts = plain[mk, m] * (2 if v == _U8 else 1)        # the denominator's, and v's second root
+        if (rni > 0) != (_U8 in (m, v)) or sqrts != want_sqrts or f32_loads > most:
             bad.append(f"  <master {mk}, exp_avg {m}, exp_avg_sq {v}>: cvt.rni.s32.f32 x{rni}, "
-                       f"cvt.rpi.u32.f32 x{rpi}, scalar fp32 loads {f32_loads} (at most {most})")
+                       f"sqrt.rn.f32 x{sqrts} (want {want_sqrts}), scalar fp32 loads {f32_loads} (at most {most})")
     print(f"\n{name} sm_{arch}: {len(entries)} coded kernels, 8-bit codes checked")
-    assert not bad, (f"{name} sm_{arch}: want cvt.rni.s32.f32 iff exp_avg is uint8, cvt.rpi.u32.f32 iff "
+    assert not bad, (f"{name} sm_{arch}: want cvt.rni.s32.f32 iff a moment is uint8, a second sqrt iff "
                      "exp_avg_sq is uint8, no code-book loads:\n" + "\n".join(bad))

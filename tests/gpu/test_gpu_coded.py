@@ -9,7 +9,7 @@ remainders); sizes below one block, partial last blocks and several CUDA blocks;
 moments in the same group: two layouts in one step); gradients at unaligned addresses (the kernels' element-wise
 path); fp32 / bf16 / fp16 gradients (with the parameters' dtype); GradScaler's grad_scale and a found_inf that skips the
 step; a NaN gradient (NaN block scales and codes); the arithmetic uint8 codes of [Note: state codecs] 2 at their edges
-(round-half-even ties of exp_avg, exact integers and values just above them for exp_avg_sq's ceil, all-zero, subnormal
+(round-half-even ties of exp_avg, every exp_avg_sq code and values just above them, all-zero, subnormal
 and overflowing blocks, inf and NaN blocks, a partial last block).
 
 Run on a GPU: ``TRITON_INTERPRET=0 python -m pytest tests/gpu/test_gpu_coded.py -q -rs``.
@@ -174,11 +174,11 @@ def test_nan_gradient(backend, fmt):
 
 def _edge_grads(dtype):
     """A first-step gradient whose moments hit the edges of the uint8 codes. With beta1 = 0.5, beta2 = 0.75 and
-    zero initial moments the first step stores m = g / 2 and v = (g / 4) * g, so s = sqrt(v) = |g| / 2 exactly
-    wherever g * g is exact. Blocks of 256 (every value exact in bf16 too, except where noted):
+    zero initial moments the first step stores m = g / 2 and v = (g / 4) * g, so r = v^(1/4) = sqrt(|g| / 2) up to
+    the roundings of g * g and two square roots. Blocks of 256 (every value exact in bf16 too, except where noted):
       0  m / scale * 127 = j + 1/2 for j in -127..126: every round-half-even tie (scale 127/8, inverse 8 exactly)
-      1  s = j / 8 for j in 0..255 with alternating signs: s * (255 / scale) = j exactly, ceil keeps it
-      2  block 1 times (1 + 2^-20) below its unchanged maximum: just above each integer, ceil adds one (fp32 only)
+      1  |g| = j^2 / 32 for j in 0..255 with alternating signs: r * (255 / scale) about j, every v code
+      2  block 1 times (1 + 2^-20) below its unchanged maximum (fp32 only)
       3  zeros: scale 0, inverse 0, codes 0
       4  m subnormal, |m| <= 1e-38: 127 / scale overflows, inverse 0, codes 0; v underflows to 0
       5  v subnormal (|g| ~ 2e-21), s normal: no flush to zero anywhere
@@ -187,7 +187,7 @@ def _edge_grads(dtype):
     j = torch.arange(256, dtype=torch.float64)
     ties = torch.cat([torch.arange(-127, 127, dtype=torch.float64) + 0.5, torch.tensor([127.0, -127.0])]) / 4
     sign = 1 - 2 * (j % 2)
-    exact = sign * j / 4
+    exact = sign * j * j / 32
     above = exact * torch.where(j == 255, 1.0, 1 + 2.0 ** -20)
     gen = torch.Generator().manual_seed(5)
     tiny = torch.randn(256, generator=gen, dtype=torch.float64).clamp(-2, 2) * 1e-38
@@ -205,8 +205,8 @@ def _edge_grads(dtype):
 def test_uint8_codes_at_their_edges(backend, master):
     """uint8 exp_avg and exp_avg_sq ([Note: state codecs] 2) from the edge gradient of :func:`_edge_grads`, then two
     ordinary steps that decode those codes (negative int8 codes, zero, inf and NaN scales), bit for bit against the
-    reference: a kernel rounding ties away from zero, rounding sqrt(v) to nearest, coding v instead of sqrt(v),
-    flushing subnormals or keeping a non-canonical NaN scale differs here."""
+    reference: a kernel rounding ties away from zero, coding sqrt(v) instead of v^(1/4), not raising a nonzero v's
+    code to 1, flushing subnormals or keeping a non-canonical NaN scale differs here."""
     backend = _backend(backend)
     dtype, rem = MASTERS[master]
     fmt = dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8, store_param_remainders=rem, min_8bit_size=1)
