@@ -90,6 +90,9 @@ Integer arithmetic below is on uint32 (wrapping); here it runs on int64 tensors 
 """
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 from torch import Tensor
 
@@ -101,7 +104,7 @@ __all__ = [
     "M8_LEVELS", "V8_LEVELS", "block_absmax", "encode_m8", "decode_m8", "encode_v8", "decode_v8",
     "F8_MAX", "encode_f8", "decode_f8",
     "split_remainder", "join_remainder", "remainder_is_lossy",
-    "init_coded_state", "state_nbytes", "decode_moment", "encode_moment", "adam_step_coded", "MOMENT_DTYPES",
+    "state_layout", "init_coded_state", "state_nbytes", "decode_moment", "encode_moment", "adam_step_coded", "MOMENT_DTYPES",
     "BLOCKWISE",
 ]
 
@@ -320,31 +323,47 @@ BLOCKWISE = (torch.uint8, torch.float8_e4m3fn)
 _ROUNDINGS = {"stochastic": encode_bf16_sr, "nearest": encode_bf16_rne}
 
 
-def init_coded_state(param: Tensor, *, exp_avg_dtype: torch.dtype = torch.float32,
-                     exp_avg_sq_dtype: torch.dtype = torch.float32, store_param_remainders: bool = False,
-                     master_weights: bool = True, min_8bit_size: int = BLOCK) -> dict[str, Tensor]:
-    """A fresh state dict of plain tensors: ``step``, ``exp_avg`` / ``exp_avg_sq`` in their stored dtype
-    (+ ``exp_avg_scale`` / ``exp_avg_sq_scale`` for uint8 / float8_e4m3fn), and ``master_param`` (fp32)
-    or ``master_remainder`` (int16) for 16-bit parameters. Blockwise formats fall back to fp32 below
-    min_8bit_size elements."""
+@functools.lru_cache(maxsize=4096)
+def state_layout(shape: tuple[int, ...], param_dtype: torch.dtype, *, exp_avg_dtype: torch.dtype = torch.float32,
+                 exp_avg_sq_dtype: torch.dtype = torch.float32, store_param_remainders: bool = False,
+                 master_weights: bool = True, min_8bit_size: int = BLOCK) -> dict[str, tuple[torch.dtype, tuple]]:
+    """{state key: (dtype, shape)} of the coded state of a parameter (the rule :func:`init_coded_state` fills
+    and optimizers check states against): ``step``, ``exp_avg`` / ``exp_avg_sq`` in their stored dtype (+
+    ``exp_avg_scale`` / ``exp_avg_sq_scale`` for uint8 / float8_e4m3fn), and ``master_param`` (fp32) or
+    ``master_remainder`` (int16) for 16-bit parameters. Blockwise formats fall back to fp32 below
+    min_8bit_size elements. Raises ValueError on unsupported arguments."""
     for name, dt in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
         if dt not in MOMENT_DTYPES:
             raise ValueError(f"{name}={dt} is not supported; use one of {list(MOMENT_DTYPES)}")
-    if store_param_remainders and param.dtype != torch.bfloat16:
-        raise ValueError(f"store_param_remainders=True needs bf16 parameters, got {param.dtype}: the fp32 "
+    if store_param_remainders and param_dtype != torch.bfloat16:
+        raise ValueError(f"store_param_remainders=True needs bf16 parameters, got {param_dtype}: the fp32 "
                          "master is kept as the bf16 parameter's bits plus an int16 remainder")
-    state = {"step": torch.zeros((), dtype=torch.float32)}
-    zeros = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+    numel = math.prod(shape)
+    layout = {"step": (torch.float32, ())}
     for key, dt in (("exp_avg", exp_avg_dtype), ("exp_avg_sq", exp_avg_sq_dtype)):
-        if dt in BLOCKWISE and param.numel() >= min_8bit_size:
-            state[key], state[key + "_scale"] = _ENCODERS[key, dt](zeros)
+        if dt in BLOCKWISE and numel >= min_8bit_size:
+            layout[key], layout[key + "_scale"] = (dt, shape), (torch.float32, (-(-numel // BLOCK),))
         else:
-            state[key] = torch.zeros(param.shape, dtype=torch.bfloat16 if dt == torch.bfloat16 else torch.float32,
-                                     device=param.device)
+            layout[key] = (torch.bfloat16 if dt == torch.bfloat16 else torch.float32, shape)
     if store_param_remainders:
-        state["master_remainder"] = torch.zeros(param.shape, dtype=torch.int16, device=param.device)
-    elif param.dtype != torch.float32 and master_weights:
-        state["master_param"] = param.detach().float().clone()
+        layout["master_remainder"] = (torch.int16, shape)
+    elif param_dtype != torch.float32 and master_weights:
+        layout["master_param"] = (torch.float32, shape)
+    return layout
+
+
+def init_coded_state(param: Tensor, *, exp_avg_dtype: torch.dtype = torch.float32,
+                     exp_avg_sq_dtype: torch.dtype = torch.float32, store_param_remainders: bool = False,
+                     master_weights: bool = True, min_8bit_size: int = BLOCK) -> dict[str, Tensor]:
+    """A fresh state dict of plain tensors laid out by :func:`state_layout`: zero moments (every code of
+    zero is 0 with scale 0), the step on the CPU, ``master_param`` a copy of the parameter."""
+    layout = state_layout(tuple(param.shape), param.dtype, exp_avg_dtype=exp_avg_dtype,
+                          exp_avg_sq_dtype=exp_avg_sq_dtype, store_param_remainders=store_param_remainders,
+                          master_weights=master_weights, min_8bit_size=min_8bit_size)
+    state = {k: torch.zeros(shape, dtype=dt, device=None if k == "step" else param.device)
+             for k, (dt, shape) in layout.items()}
+    if "master_param" in state:
+        state["master_param"].copy_(param.detach())
     return state
 
 

@@ -66,14 +66,16 @@ def new_state(p: Tensor, fmt: StateFormat) -> dict[str, Tensor]:
 
 def state_problem(where: str, state: dict[str, Any], p: Tensor, fmt: StateFormat) -> str | None:
     """Why ``state`` is not the coded state ``fmt`` gives ``p`` (keys, dtypes, shapes, devices), or None."""
-    want = _init(torch.empty(p.shape, dtype=p.dtype, device="meta"), fmt)
-    if set(state) != set(want):
+    want = codecs.state_layout(tuple(p.shape), p.dtype, exp_avg_dtype=fmt.exp_avg_dtype,
+                               exp_avg_sq_dtype=fmt.exp_avg_sq_dtype, store_param_remainders=fmt.store_param_remainders,
+                               min_8bit_size=fmt.min_8bit_size)
+    if state.keys() != want.keys():
         return f"{where}: state keys {sorted(state)}, expected {sorted(want)} for {fmt}"
-    for k, w in want.items():
+    for k, (dt, shape) in want.items():
         t = state[k]
-        if not isinstance(t, Tensor) or (k != "step" and (t.dtype != w.dtype or t.shape != w.shape)):
+        if not isinstance(t, Tensor) or (k != "step" and (t.dtype != dt or tuple(t.shape) != shape)):
             got = (t.dtype, tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
-            return f"{where}: state {k!r} is {got}, expected {(w.dtype, tuple(w.shape))}"
+            return f"{where}: state {k!r} is {got}, expected {(dt, shape)}"
         if k != "step" and (t.device != p.device or not t.is_contiguous()):
             return f"{where}: state {k!r} must be contiguous on {p.device}, got {t.device}"
     return None
