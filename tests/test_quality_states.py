@@ -26,7 +26,7 @@ def test_quality_short_version_meets_the_targets(capsys, monkeypatch):
     q = _load("quality_states", monkeypatch)
     torch.manual_seed(0)
     results = q.main(["--tiny", "--steps", "150", "--batch", "8", "--threads", "1", "--only",
-                      "bf16 SR,ours 8-bit,bf16 params,bitsandbytes"])
+                      "bf16 SR,ours 8-bit,ours bf16 params,bitsandbytes"])
     out = capsys.readouterr().out
     base = results["torch AdamW fp32"]
     assert base["final"] < 0.85 * base["losses"][0], "the short run must learn something for the check to mean anything"
@@ -34,7 +34,8 @@ def test_quality_short_version_meets_the_targets(capsys, monkeypatch):
                  "ours bf16 params, 8-bit + remainders"):
         assert results[kind]["backend"] in ("cpu", "reference"), results[kind]
     verdicts = q.check(results)
-    assert len(verdicts) >= 5 + 3 * ("final" in results["bitsandbytes AdamW8bit"]), verdicts
+    assert len(verdicts) >= 5 + ("final" in results["bitsandbytes AdamW8bit"]) + \
+        2 * ("final" in results["bitsandbytes AdamW8bit, bf16 params"]), verdicts
     assert all(ok for _, ok in verdicts), "\n".join(line for line, ok in verdicts if not ok)
     assert "MISSED" not in out
 
@@ -44,7 +45,7 @@ def test_quality_check_catches_a_miss(monkeypatch):
     q = _load("quality_states", monkeypatch)
     res = {"torch AdamW fp32": {"final": 4.0}, "ours bf16 SR": {"final": 4.06}, "ours 8-bit": {"final": 4.1},
            "ours bf16 params, 8-bit + remainders": {"final": 4.01}, "bitsandbytes AdamW8bit": {"final": 4.0},
-           "torchao AdamW8bit": {"error": "ImportError"}}
+           "bitsandbytes AdamW8bit, bf16 params": {"final": 4.0}, "torchao AdamW8bit": {"error": "ImportError"}}
     verdicts = dict(q.check(res))
     assert [ok for ok in verdicts.values()].count(False) == 4, verdicts     # bf16, 8-bit, 8-bit and rem vs bnb
     assert any(ok for line, ok in verdicts.items() if "remainders: 1.0025" in line)
