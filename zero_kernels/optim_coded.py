@@ -8,7 +8,7 @@ tensors only (``torch.load(weights_only=True)`` reads them), laid out by ``codec
     step                fp32 0-d, on the parameter's device
     exp_avg             fp32 | bf16 | uint8 codes | float8_e4m3fn codes, shaped like the parameter
     exp_avg_scale       fp32 [ceil(numel / 256)] block scales; only with uint8 / float8_e4m3fn codes
-    exp_avg_sq          as exp_avg (its code book is unsigned: v >= 0)
+    exp_avg_sq          as exp_avg (uint8: unsigned codes of v^(1/4))
     exp_avg_sq_scale    as exp_avg_scale
     master_param        fp32 master of a 16-bit parameter, or
     master_remainder    int16 remainder of a bf16 parameter (store_param_remainders=True)
