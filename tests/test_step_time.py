@@ -38,6 +38,22 @@ def test_zeropp_cross_node_reduction_about_4x():
     assert by["grad reduce-scatter"].bytes_per_element == QGZ_BYTES
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_qwz_at_stages_1_2_sends_int8_param_gathers(stage, overlap):
+    """ZeroAdamW(stage=1 or 2, quantize_weights=True) sends its after-step parameter all-gather as int8
+    codes + block scales (tests/test_zeropp.py measures the same ratio on the wire); the model agrees."""
+    cluster = Cluster(gpus=16, gpus_per_node=8)
+    plain = {c.name: c for c in collectives(PSI, cluster, Options(stage, overlap_param_gather=overlap))}
+    qwz = {c.name: c for c in collectives(PSI, cluster, Options(stage, quantize_weights=True,
+                                                                  overlap_param_gather=overlap))}
+    assert qwz["param all-gather"].bytes_per_element == QWZ_BYTES
+    assert qwz["param all-gather"].bytes_sent == pytest.approx(plain["param all-gather"].bytes_sent * QWZ_BYTES / 2)
+    assert qwz["grad reduce-scatter"] == plain["grad reduce-scatter"]
+    assert estimate(PSI, 2048, cluster, Options(stage, quantize_weights=True)).step_s < \
+        estimate(PSI, 2048, cluster, Options(stage)).step_s
+
+
 def test_hybrid_crosses_nodes_only_for_the_replica_all_reduce():
     cluster = Cluster(gpus=32, gpus_per_node=8)
     est = estimate(PSI, 2048, cluster, Options(3, hybrid=True))
@@ -57,7 +73,8 @@ def test_slower_links_never_make_a_step_faster():
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(stage=4), "stage"), (dict(stage=0, hybrid=True), "DDP"), (dict(stage=2, hpz=True), "hpz"),
+    (dict(stage=4), "stage"), (dict(stage=0, hybrid=True), "DDP"), (dict(stage=0, quantize_weights=True), "DDP"),
+    (dict(stage=2, hpz=True), "hpz"),
     (dict(stage=3, hpz=True, hybrid=True), "choose one")])
 def test_option_errors_name_the_field(kw, msg):
     with pytest.raises(ValueError, match=msg):

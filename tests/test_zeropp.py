@@ -1,4 +1,4 @@
-"""ZeRO++ quantized collectives: qwZ (stage 3's parameter all-gather with int8 blockwise codes,
+"""ZeRO++ quantized collectives: qwZ (the parameter all-gathers of every stage with int8 blockwise codes,
 [Note: quantized weight all-gather]) and qgZ (the gradient reduce-scatter with int8 codes and fp32
 accumulation, [Note: quantized gradient reduce-scatter]).
 
@@ -203,8 +203,10 @@ def test_qwz_gather_world3():
 
 
 @pytest.mark.parametrize("options", [dict(stage=3, quantize_weights=True), dict(stage=2, quantize_grads=True),
-                                     dict(stage=3, quantize_weights=True, quantize_grads=True)],
-                         ids=["qwZ", "qgZ", "qwZ+qgZ"])
+                                     dict(stage=3, quantize_weights=True, quantize_grads=True),
+                                     dict(stage=1, quantize_weights=True), dict(stage=2, quantize_weights=True),
+                                     dict(stage=2, quantize_weights=True, overlap_param_gather=True)],
+                         ids=["qwZ", "qgZ", "qwZ+qgZ", "stage1-qwZ", "stage2-qwZ", "stage2-qwZ-overlap"])
 def test_zeropp_training_world2(options):
     run_world(_train_cases, 2, options, timeout=400)
 
@@ -214,11 +216,113 @@ def test_zeropp_hybrid_training_world4():
     run_world(_train_cases, 4, dict(stage=3, quantize_weights=True, quantize_grads=True, hybrid=True), timeout=500)
 
 
-def test_qwz_needs_stage3():
+def test_qwz_stages_and_argument_errors():
+    """qwZ runs at stages 1, 2 and 3 (there is no stage 0: DDP is not ZeroAdamW); sync_exact_params() is
+    for the stages that keep parameters; the flags must be bools."""
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
+        zk.ZeroAdamW(torch.nn.Linear(3, 3), stage=0, quantize_weights=True)
+    for stage in (1, 2):
+        m = torch.nn.Linear(3, 3)
+        zopt = zk.ZeroAdamW(m, stage=stage, quantize_weights=True, backend="reference")
+        before = [p.detach().clone() for p in m.parameters()]
+        zopt.sync_exact_params()                # one process: nothing is quantized, nothing changes
+        assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+        zopt.remove_hooks()
     m = torch.nn.Linear(3, 3)
-    with pytest.raises(ValueError, match="stage=3"):
-        zk.ZeroAdamW(m, stage=2, quantize_weights=True)
+    zopt = zk.ZeroAdamW(m, stage=3, quantize_weights=True, backend="reference")
+    with pytest.raises(ValueError, match="full_model_state_dict"):
+        zopt.sync_exact_params()
+    zopt.remove_hooks()
     with pytest.raises(TypeError, match="quantize_weights"):
         zk.ZeroAdamW(m, stage=3, quantize_weights=1)
     with pytest.raises(TypeError, match="quantize_grads"):
         zk.ZeroAdamW(m, stage=2, quantize_grads="yes")
+
+
+def _exact_flat(b) -> torch.Tensor:
+    """Bucket b's values as their owners hold them (fp32 masters), gathered exactly by the test itself: an
+    all-reduce of zero-filled buffers, not the product's all-gather."""
+    flat = torch.zeros(b.spec.padded_numel, dtype=torch.float32)
+    flat[b.slice_start:b.slice_end] = b.master_fp32()
+    dist.all_reduce(flat)
+    return flat
+
+
+def _all_gather_bytes(zopt, which="last_step") -> int:
+    k = zopt.comm_report()[which]["by_kind"].get("all_gather", {})
+    return sum(k.values())
+
+
+def _stage12_qwz_cases(rank, world, stage, dtype, overlap):
+    """[Note: quantized weight all-gather] at stages 1-2: after a few steps every parameter element is
+    within half a code step (plus one cast) of its owner's exact value, this rank's own slice is exact,
+    some elements do differ (negative control); the state dicts are the exact masters; comm_report counts
+    the int8 codes; sync_exact_params() makes the parameters bit-equal to the exact gather."""
+    model = make_model()
+    with pytest.warns(UserWarning, match="sync_exact_params"):
+        zopt = zk.ZeroAdamW(model, stage=stage, bucket_size=4096, backend="reference", timeout=60, lr=1e-2,
+                            param_dtype=dtype, quantize_weights=True, overlap_param_gather=overlap)
+    for s in range(4):
+        idx, tgt = batch(s, world)
+        rows = slice(rank * B, (rank + 1) * B)
+        loss_fn(model, idx[rows], tgt[rows]).backward()
+        zopt.step()
+        zopt.zero_grad()
+    zopt.wait_for_params()                      # overlap_param_gather: the last step's gathers are in flight
+    n = world
+    changed, stepped_sn = 0, []
+    exact = {b.index: _exact_flat(b) for b in zopt.buckets}
+    for b in zopt.buckets:
+        sn = b.spec.shard_numel
+        assert sn % BLOCK, "the test wants slices that are not whole blocks"
+        if any(zopt.steps[i] for i in b.spec.params):
+            stepped_sn.append(sn)
+        want = exact[b.index].to(b.dtype)        # the owners' working values (the masters' 16-bit rounding)
+        got = b.param_flat
+        own = slice(b.slice_start, b.slice_end)
+        assert torch.equal(got[own], want[own]), "this rank's own slice must be exact"
+        for j in range(n):
+            if j == rank:
+                continue
+            sl = slice(j * sn, (j + 1) * sn)
+            x = want[sl].float()
+            pad = -sn % BLOCK
+            scale = torch.nn.functional.pad(x.abs(), (0, pad)).view(-1, BLOCK).amax(1).repeat_interleave(BLOCK)[:sn]
+            # half a code step, plus one cast to bf16 (unit roundoff 2^-8 of the decode, |decode| <= scale)
+            bound = scale / 254 * (1 + 1e-6) + (scale * 2.0 ** -8 if dtype == torch.bfloat16 else 0.0) + 1e-30
+            err = (got[sl].float() - x).abs()
+            assert bool((err <= bound).all()), (b.index, j, float((err - bound).max()))
+            changed += int((got[sl] != want[sl]).sum())
+    assert changed > 0, "negative control: the other ranks' slices must be quantized copies"
+    # the optimizer's state is exact: the shard state dict holds the masters, the full state dict the
+    # exact gather of them (fp32 parameters included, whose param_flat holds quantized copies)
+    full = zopt.full_model_state_dict()
+    shard = zopt.state_dict()
+    for b, st in zip(zopt.buckets, shard["state"]):
+        assert torch.equal(st["master"], exact[b.index][b.slice_start:b.slice_end])
+        for ps in b.param_specs:
+            assert torch.equal(full[ps.name], exact[b.index][ps.offset:ps.offset + ps.numel].view(ps.shape)), ps.name
+    # comm_report: the last step's gathers sent codes + scales, about (1 + 4/256) / 2 of the 16-bit bytes
+    sent = _all_gather_bytes(zopt)
+    assert sent == sum((n - 1) * (sn + 4 * -(-sn // BLOCK)) for sn in stepped_sn), sent
+    if dtype == torch.bfloat16:
+        plain = sum((n - 1) * 2 * sn for sn in stepped_sn)
+        assert sent / plain == pytest.approx((1 + 4 / BLOCK) / 2, rel=0.01), (sent, plain)
+    # sync_exact_params: every parameter bit-equal to the exact gather, over the exact (16-bit) wire
+    before = _all_gather_bytes(zopt, "total")
+    zopt.sync_exact_params()
+    assert _all_gather_bytes(zopt, "total") - before == sum(
+        (n - 1) * b.spec.shard_numel * b.param_flat.element_size() for b in zopt.buckets)
+    for b in zopt.buckets:
+        assert torch.equal(b.param_flat, exact[b.index].to(b.dtype))
+        for p, ps in zip(b.params, b.param_specs):
+            assert torch.equal(p.detach(), exact[b.index][ps.offset:ps.offset + ps.numel].view(ps.shape).to(b.dtype))
+    zopt.remove_hooks()
+
+
+@pytest.mark.parametrize("world,stage,dtype,overlap", [
+    (2, 1, torch.bfloat16, False), (3, 2, torch.bfloat16, False), (2, 2, torch.float32, True),
+    (3, 1, torch.float32, True)], ids=["w2-stage1-bf16", "w3-stage2-bf16", "w2-stage2-fp32-overlap",
+                                       "w3-stage1-fp32-overlap"])
+def test_qwz_stage12_params_within_a_half_step(world, stage, dtype, overlap):
+    run_world(_stage12_qwz_cases, world, stage, dtype, overlap, timeout=400)

@@ -52,7 +52,10 @@ class ZeroConfig:
     wrap: Any = None
     gather_cache: bool = True
     overlap_param_gather: bool = False
-    quantize_weights: bool = False      # ZeRO++ qwZ ([Note: quantized weight all-gather], qwz.py)
+    # ZeRO++ qwZ ([Note: quantized weight all-gather], qwz.py): every parameter all-gather sends int8 codes.
+    # Stages 1-2: between steps the model then holds int8-quantized copies of the other ranks' slices
+    # (masters, state dicts and checkpoints stay exact); zopt.sync_exact_params() writes exact ones.
+    quantize_weights: bool = False
     quantize_grads: bool = False        # ZeRO++ qgZ ([Note: quantized gradient reduce-scatter], qgz.py)
     exp_avg_dtype: torch.dtype = torch.float32      # coded states ([Note: coded ZeRO states], coded.py)
     exp_avg_sq_dtype: torch.dtype = torch.float32
@@ -70,9 +73,6 @@ class ZeroConfig:
         _check_bool("reshard_after_forward", self.reshard_after_forward)
         _check_bool("quantize_weights", self.quantize_weights)
         _check_bool("quantize_grads", self.quantize_grads)
-        if self.quantize_weights and self.stage != 3:
-            raise ValueError("quantize_weights=True (ZeRO++ qwZ) quantizes stage 3's parameter all-gathers: "
-                             f"use stage=3 (got stage={self.stage}); stages 1-2 gather exact parameters")
         if self.overlap_param_gather and self.stage == 3:
             raise ValueError("overlap_param_gather is for stages 1 and 2: stage 3 gathers parameters in "
                              "forward already (see prefetch=)")

@@ -11,6 +11,12 @@ else that reads the parameters must call wait_for_params() first (step(), state 
 checkpoints do): a parameter read outside the forward of a module registering it (e.g.
 ``F.linear(x, self.emb.weight)`` in a parent's forward, or an EMA copy right after step())
 would otherwise see its value from before the step. Default off for that reason.
+
+With quantize_weights=True (ZeRO++ qwZ) every all-gather here (the step's, overlapped or not, and
+``gather_all`` after a load) is :func:`~.qwz.quantized_all_gather`: this rank's slice stays exact,
+the other ranks' slices hold the decode of their owners' int8 codes until the next gather
+([Note: quantized weight all-gather] in qwz.py). :meth:`ParamGatherer.gather_exact` is the one exact
+all-gather (``ZeroAdamW.sync_exact_params()``).
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from torch import nn
 
 from . import collectives as C
 from .buckets import FlatBucket
+from .qwz import quantized_all_gather
 from .timeouts import scoped
 
 __all__ = ["ParamGatherer"]
@@ -27,8 +34,10 @@ __all__ = ["ParamGatherer"]
 
 class ParamGatherer:
     def __init__(self, model: nn.Module, buckets: list[FlatBucket], group, rank: int, overlap_comm: bool,
-                 overlap_param_gather: bool, timeout=None):
+                 overlap_param_gather: bool, timeout=None, quantize_weights: bool = False):
         self.buckets = buckets
+        # ZeroAdamW(quantize_weights=...): int8 codes on the wire ([Note: quantized weight all-gather])
+        self.all_gather = quantized_all_gather if quantize_weights else C.all_gather_bucket
         self.group = group
         self.rank = rank
         self.overlap_comm = overlap_comm
@@ -60,22 +69,30 @@ class ParamGatherer:
         if self.overlap_param_gather:
             self._stepped.append(b)
         else:
-            self._in_step.append(C.all_gather_bucket(b.param_flat, self.rank, self.group,
-                                                     async_op=self.overlap_comm, tag=b.index))
+            self._in_step.append(self.all_gather(b.param_flat, self.rank, self.group,
+                                                 async_op=self.overlap_comm, tag=b.index))
 
     def end_step(self) -> None:
         """Wait for the step's all-gathers, or leave them in flight in forward order."""
         for b in reversed(self._stepped):
-            self.pending[b.index] = C.all_gather_bucket(b.param_flat, self.rank, self.group, async_op=True,
-                                                        tag=b.index)
+            self.pending[b.index] = self.all_gather(b.param_flat, self.rank, self.group, async_op=True,
+                                                    tag=b.index)
         for g in self._in_step:
             C.wait(g)
         self._stepped, self._in_step = [], []
 
     def gather_all(self) -> None:
-        """Refresh every bucket's parameters from the owners' slices (after a load)."""
+        """Refresh every bucket's parameters from the owners' slices (after a load), over the
+        configured wire (int8 codes with quantize_weights)."""
         for b in self.buckets:
-            C.wait(C.all_gather_bucket(b.param_flat, self.rank, self.group, async_op=False))
+            C.wait(self.all_gather(b.param_flat, self.rank, self.group, async_op=False))
+
+    def gather_exact(self) -> None:
+        """Every bucket's parameters exactly as their owners hold them (16-bit or fp32 values, no
+        codes), whatever the wire: in-flight gathers are waited for first, so none lands after."""
+        self.wait_for_params()
+        for b in self.buckets:
+            C.wait(C.all_gather_bucket(b.param_flat, self.rank, self.group, async_op=False, tag=("exact", b.index)))
 
     def wait_for_params(self) -> None:
         while self.pending:

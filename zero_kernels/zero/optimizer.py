@@ -4,6 +4,7 @@ the step is [Note: the ZeRO step] (step.py); what differs between stages is one 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
@@ -27,13 +28,26 @@ from .wire import WireMeter
 __all__ = ["ZeroAdamW", "ZeroAdam"]
 
 STRATEGIES = {1: Stage1, 2: Stage2, 3: Stage3}
+QWZ_STAGE12_WARNING = (
+    "ZeroAdamW(stage={stage}, quantize_weights=True): between steps the model's parameters hold int8-quantized "
+    "copies (within half a code step) of the slices other ranks own, so model.state_dict(), save_pretrained "
+    "and evaluation read quantized weights; masters, optimizer state dicts and checkpoints stay exact. Call "
+    "zopt.sync_exact_params() (collective, every rank) before saving or evaluating for exact parameters, or "
+    "save zopt.full_model_state_dict() ([Note: quantized weight all-gather] in zero_kernels/zero/qwz.py)")
 
 
 class ZeroAdamW(torch.optim.Optimizer):
     """AdamW with ZeRO-1/2/3 sharding over ``process_group``, or over the "shard" dimension of a 2-D
     ``mesh`` with replication across its "replicate" dimension ([Note: hybrid sharding]). Takes the
     module (it needs parameter names for the layout and hooks for stages 2-3). Trainable parameters become views into flat
-    per-bucket buffers; frozen ones are left alone (cast to ``param_dtype`` when one is given)."""
+    per-bucket buffers; frozen ones are left alone (cast to ``param_dtype`` when one is given).
+
+    ``quantize_weights=True`` (ZeRO++ qwZ, any stage) sends the parameter all-gathers as int8 codes with
+    one fp32 scale per block of 256 ([Note: quantized weight all-gather] in qwz.py). Masters, moments,
+    state dicts and checkpoints stay exact. At stages 1-2 the model keeps its full parameters between
+    steps, so the other ranks' slices there are quantized copies (within half a code step): a plain
+    ``model.state_dict()``, ``save_pretrained`` or evaluation reads them. Call ``sync_exact_params()``
+    (collective) first for exact parameters, or save ``full_model_state_dict()`` (exact fp32 masters)."""
     adamw = True                        # decoupled weight decay (ZeroAdam: L2 added to the gradient)
 
     def __init__(self, model: nn.Module, stage: int = 2, lr: float = 1e-3,
@@ -55,6 +69,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         strategy_cls = STRATEGIES[cfg.stage]
         # ---- 2.-4. read the model (no change), agree with every rank, lay out ----------------------
         plan_ = plan(model, cfg, defaults, param_groups, zmesh, strategy_cls)
+        if cfg.quantize_weights and cfg.stage < 3 and plan_.world > 1:
+            warnings.warn(QWZ_STAGE12_WARNING.format(stage=cfg.stage), UserWarning, stacklevel=2)
         super().__init__(plan_.groups, defaults)
         self.module, self.config, self.stage, self.layout = model, cfg, cfg.stage, plan_.layout
         self.process_group, self.world_size, self.rank = process_group, plan_.world, plan_.rank
@@ -116,7 +132,8 @@ class ZeroAdamW(torch.optim.Optimizer):
     def gathered(self) -> contextlib.AbstractContextManager:
         """Collective: every parameter full-size inside the block (stage 3 gathers all units and frees
         them after, as FSDP's ``summon_full_params``; read-only: writes are not propagated to the
-        shards). Stages 1-2 hold full parameters anyway (in-flight all-gathers are waited for)."""
+        shards). Stages 1-2 hold full parameters anyway (in-flight all-gathers are waited for; with
+        quantize_weights the other ranks' slices are int8-quantized copies: ``sync_exact_params()``)."""
         return self.strategy.gathered()
 
     @bounded_by_timeout
@@ -232,8 +249,21 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def refresh_params(self) -> None:
         """Collective: make the working parameters reflect the masters/shards after they were
-        written (stages 1-2 all-gather; stage 3 drops gathered copies: the next forward gathers)."""
+        written (stages 1-2 all-gather, int8 codes with quantize_weights; stage 3 drops gathered
+        copies: the next forward gathers)."""
         self.strategy.refresh_params()
+
+    @bounded_by_timeout
+    @torch.no_grad()
+    def sync_exact_params(self) -> None:
+        """Collective (every rank), stages 1-2: make every model parameter bit-equal to its owner's
+        working value (the master's 16-bit rounding, or the fp32 master itself) with an exact all-gather
+        after waiting for any in flight. With ``quantize_weights=True`` call it before
+        ``model.state_dict()``, ``save_pretrained`` or evaluation: between steps the other ranks' slices
+        are int8-quantized copies ([Note: quantized weight all-gather]); the next step() quantizes them
+        again. Without quantize_weights the parameters are exact already (this only costs an all-gather).
+        Stage 3 raises ValueError: its parameters are not kept (use ``full_model_state_dict()``)."""
+        self.strategy.sync_exact_params()
 
     # ---- checkpoints (zero_kernels/checkpoint.py: format, atomicity, resharding) ------------------
     def scale_loss(self, loss: Tensor) -> Tensor:

@@ -1,7 +1,8 @@
-"""qwZ (ZeRO++ quantized weight communication): the stage-3 parameter all-gather sends int8 codes.
+"""qwZ (ZeRO++ quantized weight communication): the parameter all-gathers send int8 codes.
 
 [Note: quantized weight all-gather]
-With ``ZeroAdamW(stage=3, quantize_weights=True)`` each rank encodes its parameter shard with the
+With ``ZeroAdamW(quantize_weights=True)`` (stage 3's gathers in forward and backward, unit_bucket.py;
+stages 1-2's gathers after each bucket's step, gather.py) each rank encodes its parameter shard with the
 8-bit blockwise codec of zero_kernels/codecs.py (``encode_q8``: blocks of ``BLOCK`` = 256 elements
 counted from the shard's first element, one fp32 scale = max |x| per block, the ``linear_signed`` code
 book (k - 127) / 127, nearest code) and the group all-gathers the uint8 codes and the fp32 scales
@@ -13,8 +14,15 @@ shards (``decode_q8``, then one cast to the parameter dtype) and keeps its own s
     the exact all-gather) are exact; only what forward and backward compute with is quantized;
   * all-zero blocks (padding) decode to exact zeros (the code book holds 0 at k = 127).
 The codes and scales travel as two all-gathers of the collectives module (their own tags), waited for
-as one handle; the decode runs in the handle's finalize. Stages 1-2 keep exact parameter all-gathers:
-their gathered parameters persist across steps, so a quantized copy would drift from its owner's.
+as one handle; the decode runs in the handle's finalize.
+Stages 1-2 keep their full parameters between steps, so there the model *holds* the decoded copies
+of the other ranks' slices until the next gather: ``model.state_dict()``, ``save_pretrained`` and an
+evaluation between steps read values within the bound above (the construction warns once, naming
+the fix). They do not drift: every step's gather re-encodes the owner's exact current slice, and a
+bucket that did not step keeps the decode of an unchanged slice. The exact paths: the state dicts and
+checkpoints of the optimizer read the masters (``full_model_state_dict`` gathers them with the exact
+all-gather, fp32 parameters included), and ``ZeroAdamW.sync_exact_params()`` (collective) overwrites
+the model's parameters with an exact all-gather of the owners' working values, until the next step.
 Who computes the codes is ``WIRE_BACKEND`` below: the Triton kernels of kernels/quant.py for CUDA
 tensors, the C++ codec of csrc/cpu_quant.cpp for CPU tensors (the exact 8-step midpoint search of the
 coded-state kernel, SIMD per block, threaded over blocks), torch ops (:func:`encode_wire`, ``decode_q8``)

@@ -160,6 +160,11 @@ class Stage3(HookReduced):
     def wait_for_params(self) -> None:
         pass
 
+    def sync_exact_params(self) -> None:
+        raise ValueError("sync_exact_params() writes exact full parameters into a model that keeps them between "
+                         "steps (stages 1-2); at stage 3 they are freed after use and every forward gathers "
+                         "them again. For exact full values use zopt.full_model_state_dict() (collective)")
+
     pending_param_gathers = 0
 
     def full_flat(self, b: FlatBucket) -> Tensor:

@@ -10,6 +10,7 @@ that differ:
       the parameters, stage 3 frees any gathered copy: the next forward gathers);
   ``check_grads()``: refuse gradients the caller dropped from p.grad after backward;
   ``zero_grad``, ``no_sync``, ``wait_for_params``, ``refresh_params`` (after a load),
+  ``sync_exact_params`` (exact parameters in the model: the qwZ escape hatch of stages 1-2),
   ``full_flat(b)`` (full fp32 values of a bucket), ``memory_report``, ``remove``.
 :class:`Stage1` and :class:`Stage2` live here, :class:`~.stage3.Stage3` in stage3.py.
 """
@@ -62,7 +63,8 @@ class _GatheredParams:
     def __init__(self, ctx: StrategyContext):
         self.ctx = ctx
         self.gatherer = ParamGatherer(ctx.model, ctx.buckets, ctx.group, ctx.rank, ctx.config.overlap_comm,
-                                      ctx.config.overlap_param_gather, ctx.config.timeout)
+                                      ctx.config.overlap_param_gather, ctx.config.timeout,
+                                      quantize_weights=ctx.config.quantize_weights)
 
     def after_bucket_step(self, b: FlatBucket) -> None:
         self.gatherer.after_bucket_step(b)
@@ -75,6 +77,9 @@ class _GatheredParams:
 
     def refresh_params(self) -> None:
         self.gatherer.gather_all()
+
+    def sync_exact_params(self) -> None:
+        self.gatherer.gather_exact()
 
     @property
     def pending_param_gathers(self) -> int:
@@ -92,8 +97,9 @@ class _GatheredParams:
         return []                       # stage-3 units only
 
     def full_flat(self, b: FlatBucket) -> Tensor:
-        if b.master_is_param:
-            return b.param_flat.detach().clone()
+        if b.master_is_param and not self.ctx.config.quantize_weights:
+            return b.param_flat.detach().clone()    # every slice arrived through an exact all-gather
+        # the owners' fp32 masters, exactly (with qwZ the other slices of param_flat are decoded codes)
         flat = torch.empty(b.spec.padded_numel, dtype=torch.float32, device=b.device)
         flat[b.slice_start:b.slice_end].copy_(b.master_fp32())
         C.wait(C.all_gather_bucket(flat, self.ctx.rank, self.ctx.group, async_op=False))
