@@ -14,7 +14,7 @@
 #error "define ZK_TGT before including cpu_adam_coded_simd.h"
 #endif
 
-#include "cpu_q8_simd.h"  // zk_q8_absmax: the block absmax on the bits
+#include "cpu_q8_simd.h"  // zk_q8_absmax / zk_q8_absbits / zk_q8_scale: the block absmax on the bits
 
 // ---------------------------------------------------------------- 8-bit moment codes (codecs.py Note 2)
 // Per block: inv = levels / scale, 0 unless finite; codes of m = rint(m * inv) as int8 bits, of v =
@@ -27,17 +27,6 @@ ZK_TGT static inline float zk_c_inverse(float scale, float levels) {
   const float inv = levels / scale;
   return inv <= 3.4028234663852886e38f ? inv : 0.0f;  // scale 0, tiny, inf or NaN: all codes 0
 }
-
-// The block scale from a lane-wise running max of |x| bits (NaN -> the canonical 0x7FC00000).
-ZK_TGT static inline float zk_c_scale(Q::I acc) {
-  uint32_t u = Q::hmaxi(acc);
-  if (u > 0x7F800000u) u = 0x7FC00000u;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-ZK_TGT static inline Q::I zk_c_absbits(Q::F x) { return Q::andi(Q::bi(x), Q::set1i(0x7FFFFFFF)); }
 
 // int8 codes of m (x: the block's updated m), given inv.
 ZK_TGT static inline void zk_m8_codes(const float* x, float inv, uint8_t* dst) {
@@ -280,13 +269,13 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
     else zk_c_store_master(j, a, i, pv);
     V::store(bm + i, mv);
     V::store(bs + i, sq);
-    am = Q::maxi(am, zk_c_absbits(mv));
-    as = Q::maxi(as, zk_c_absbits(sq));
+    am = Q::maxi(am, zk_q8_absbits(mv));
+    as = Q::maxi(as, zk_q8_absbits(sq));
   }
   float ms, vs;
   if (n == ZK_QBLOCK) {
-    ms = zk_c_scale(am);
-    vs = zk_c_scale(as);
+    ms = zk_q8_scale(am);
+    vs = zk_q8_scale(as);
   } else {  // the padding must not enter the block scales (a non-finite grad scale makes it NaN)
     std::memset(bm + n, 0, (ZK_QBLOCK - n) * sizeof(float));
     std::memset(bs + n, 0, (ZK_QBLOCK - n) * sizeof(float));

@@ -13,14 +13,21 @@
 // Block absmax on the bits: |x| as int32 orders like the floats, every NaN above +inf; a NaN
 // result is torch.amax's canonical 0x7FC00000 whatever the NaNs' payloads (a decoded fp8 NaN is
 // 0x7FF00000).
-ZK_TGT static inline float zk_q8_absmax(const float* x) {
-  Q::I acc = Q::set1i(0);
-  for (int i = 0; i < ZK_QBLOCK; i += Q::W) acc = Q::maxi(acc, Q::andi(Q::bi(Q::ldf(x + i)), Q::set1i(0x7FFFFFFF)));
+// zk_q8_absbits: |x| as bits (a lane of the running max); zk_q8_scale: the block scale from the running max.
+ZK_TGT static inline Q::I zk_q8_absbits(Q::F x) { return Q::andi(Q::bi(x), Q::set1i(0x7FFFFFFF)); }
+
+ZK_TGT static inline float zk_q8_scale(Q::I acc) {
   uint32_t u = Q::hmaxi(acc);
   if (u > 0x7F800000u) u = 0x7FC00000u;
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+}
+
+ZK_TGT static inline float zk_q8_absmax(const float* x) {
+  Q::I acc = Q::set1i(0);
+  for (int i = 0; i < ZK_QBLOCK; i += Q::W) acc = Q::maxi(acc, zk_q8_absbits(Q::ldf(x + i)));
+  return zk_q8_scale(acc);
 }
 
 // codes = number of midpoints strictly below x / scale (y = 0 where scale == 0), NaN y -> 255;

@@ -48,17 +48,19 @@ def _ptr(address, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _load_moment(ptr, scale_ptr, offs, mask, MASKED: tl.constexpr, KIND: tl.constexpr, SQ: tl.constexpr,
+def _load_moment(ptr, scale_ptr, offs, mask, rows, MASKED: tl.constexpr, KIND: tl.constexpr, SQ: tl.constexpr,
                  ALIGNED: tl.constexpr):
     """Decode one moment of the tile to fp32 (KIND: see [Note: the coded kernel]; SQ: exp_avg_sq, whose
-    8-bit code is of sqrt(v))."""
+    8-bit code is of v^(1/4)). A blockwise moment's scale is loaded once per row (block) and broadcast,
+    so the per-block division of the decode runs once per row, not per element."""
     if KIND == 0:
         return ld(_ptr(ptr, tl.float32, ALIGNED), offs, mask, MASKED)
     elif KIND == 1:
         return decode_bf16(ld(_ptr(ptr, tl.uint16, ALIGNED), offs, mask, MASKED))
     else:
         code = ld(_ptr(ptr, tl.uint8, ALIGNED), offs, mask, MASKED)
-        scale = ld(scale_ptr.to(tl.pointer_type(tl.float32)), offs // QBLOCK, mask, MASKED)
+        row_mask = tl.max(mask.to(tl.int32), axis=1) > 0
+        scale = ld(scale_ptr.to(tl.pointer_type(tl.float32)), rows, row_mask, MASKED)[:, None]
         if KIND == 2:
             if SQ:
                 return decode_v8(code, scale)
@@ -72,7 +74,7 @@ def _load_moment(ptr, scale_ptr, offs, mask, MASKED: tl.constexpr, KIND: tl.cons
 def _store_moment(x, root, ptr, scale_ptr, offs, mask, rows, index_offset, key,
                   MASKED: tl.constexpr, KIND: tl.constexpr, SQ: tl.constexpr, ALIGNED: tl.constexpr):
     """Encode one updated moment of the tile and store it (with its new block scales). ``root``: sqrt(x),
-    used by the 8-bit exp_avg_sq code (SQ) only."""
+    whose square root the 8-bit exp_avg_sq code (SQ) takes."""
     if KIND == 0:
         st(_ptr(ptr, tl.float32, ALIGNED), offs, x, mask, MASKED)
     elif KIND == 1:
@@ -107,8 +109,8 @@ def _coded_tile(row, offs, mask, rows, step_size, bc2_sqrt, decay, grad_scale, m
     else:
         p = ld(master_ptr, offs, mask, MASKED)
     g = ld(grad_ptr, offs, mask, MASKED).to(tl.float32)
-    m = _load_moment(tl.load(row + 2), tl.load(row + 4), offs, mask, MASKED, M_KIND, False, ALIGNED)
-    v = _load_moment(tl.load(row + 3), tl.load(row + 5), offs, mask, MASKED, V_KIND, True, ALIGNED)
+    m = _load_moment(tl.load(row + 2), tl.load(row + 4), offs, mask, rows, MASKED, M_KIND, False, ALIGNED)
+    v = _load_moment(tl.load(row + 3), tl.load(row + 5), offs, mask, rows, MASKED, V_KIND, True, ALIGNED)
     p, m, v, _, root = adam_update(p, g, m, v, v, step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1,
                                    beta2, one_minus_beta2, eps, weight_decay, HAS_GRAD_SCALE, ADAMW, False,
                                    MAXIMIZE)
