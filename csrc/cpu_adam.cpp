@@ -77,7 +77,9 @@ ZkIsa zk_detect_isa() {
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c"))
     best = ZK_ISA_AVX2;
-  if (best == ZK_ISA_AVX2 && __builtin_cpu_supports("avx512f")) best = ZK_ISA_AVX512;
+  // AVX-512 means F + BW (every AVX-512 CPU since Skylake-SP; the coded kernel's 16-bit lanes need BW).
+  if (best == ZK_ISA_AVX2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+    best = ZK_ISA_AVX512;
 #endif
   if (const char* env = std::getenv("ZERO_KERNELS_CPU_ISA")) {
     const std::string s(env);

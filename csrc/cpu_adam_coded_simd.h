@@ -17,42 +17,52 @@
 #include "cpu_q8_simd.h"  // zk_q8_absmax / zk_q8_absbits / zk_q8_scale: the block absmax on the bits
 
 // ---------------------------------------------------------------- 8-bit moment codes (codecs.py Note 2)
-// Per block: inv = levels / scale, 0 unless finite; codes of m = rint(m * inv) as int8 bits, of v =
-// rint(v^(1/4) * inv), at least 1 where v > 0; decode with step = scale / levels. rint by the
-// magic number 1.5 * 2^23 (|y| <= 2^22): one fp32 add rounds half to even and leaves the integer in
-// the low mantissa bits, exact on every path.
-constexpr float ZK_M8_LEVELS = 127.0f, ZK_V8_LEVELS = 255.0f;
+// m: per block inv = 127 / scale, 0 unless finite; int8 code = rint(m * inv), decoded with scale / 127.
+// rint by the magic number 1.5 * 2^23 (|y| <= 2^22): one fp32 add rounds half to even and leaves the
+// integer's two's complement in the low mantissa bits, whose low 8 are the int8 code (st_u8 keeps them).
+// v: a log code of s = sqrt(v) on the int32 bits: code = max(((bits(s) - bits(scale)) + 255 * 2^19 +
+// 2^18) >> 19, 1), 0 where s == 0 or the scale is not finite; decoded s' = bits((code << 19) +
+// bits(scale) - 255 * 2^19) (0 for code 0), v' = s' * s'.
+constexpr float ZK_M8_LEVELS = 127.0f;
+constexpr uint32_t ZK_V8_TOP = 255u << 19, ZK_V8_HALF = 1u << 18;
 
 ZK_TGT static inline float zk_c_inverse(float scale, float levels) {
   const float inv = levels / scale;
   return inv <= 3.4028234663852886e38f ? inv : 0.0f;  // scale 0, tiny, inf or NaN: all codes 0
 }
 
+ZK_TGT static inline uint32_t zk_f32_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+
+ZK_TGT static inline bool zk_v8_finite(float scale) { return (zk_f32_bits(scale) & 0x7FFFFFFFu) < 0x7F800000u; }
+
 // int8 codes of m (x: the block's updated m), given inv.
 ZK_TGT static inline void zk_m8_codes(const float* x, float inv, uint8_t* dst) {
   if (inv == 0.0f) { std::memset(dst, 0, ZK_QBLOCK); return; }
   const Q::F s = Q::set1f(inv), magic = Q::set1f(12582912.0f);
-  for (int i = 0; i < ZK_QBLOCK; i += Q::W)
-    Q::st_u8(dst + i, Q::subi(Q::bi(Q::add(Q::mul(Q::ldf(x + i), s), magic)), Q::set1i(0x4B400000u)));
+  for (int i = 0; i < ZK_QBLOCK; i += Q::W) Q::st_u8(dst + i, Q::bi(Q::add(Q::mul(Q::ldf(x + i), s), magic)));
 }
 
-// uint8 codes of v (r: the block's v^(1/4) >= 0), given inv: rint(r * inv) <= 255, at least 1
-// where r > 0 (as int32 bits: the positive non-zero floats).
-ZK_TGT static inline void zk_v8_codes(const float* r, float inv, uint8_t* dst) {
-  if (inv == 0.0f) { std::memset(dst, 0, ZK_QBLOCK); return; }
-  const Q::F s = Q::set1f(inv), magic = Q::set1f(12582912.0f);
+// uint8 log codes of v (s: the block's sqrt(v) >= 0, scale: their max).
+ZK_TGT static inline void zk_v8_codes(const float* s, float scale, uint8_t* dst) {
+  if (!zk_v8_finite(scale)) { std::memset(dst, 0, ZK_QBLOCK); return; }
+  // (bits(s) - bits(scale)) + 255 * 2^19 + 2^18 fits an int32, so one wrapping add of the constant
+  // folded with -bits(scale) gives it.
+  const Q::I k = Q::set1i(ZK_V8_TOP + ZK_V8_HALF - zk_f32_bits(scale));
   for (int i = 0; i < ZK_QBLOCK; i += Q::W) {
-    const Q::F x = Q::ldf(r + i);
-    const Q::I c = Q::subi(Q::bi(Q::add(Q::mul(x, s), magic)), Q::set1i(0x4B400000u));
-    Q::st_u8(dst + i, Q::seli(Q::gti(Q::bi(x), Q::set1i(0)), Q::maxi(c, Q::set1i(1)), c));
+    const Q::I b = Q::bi(Q::ldf(s + i));
+    Q::st_u8(dst + i, Q::v8_raise(b, Q::srai<19>(Q::addi(b, k))));
   }
 }
 
 ZK_TGT static inline Q::F zk_m8_decode(const uint8_t* c, Q::F step) { return Q::mul(Q::i2f(Q::ld_i8(c)), step); }
-ZK_TGT static inline Q::F zk_v8_decode(const uint8_t* c, Q::F step) {
-  const Q::F d = Q::mul(Q::i2f(Q::ld_u8(c)), step);
-  const Q::F d2 = Q::mul(d, d);
-  return Q::mul(d2, d2);
+// base = bits(scale) - 255 * 2^19 (a finite scale; the callers handle the others).
+ZK_TGT static inline Q::F zk_v8_decode(const uint8_t* c, Q::I base) {
+  const Q::F s = Q::bf(Q::v8_bits(Q::ld_u8(c), base));
+  return Q::mul(s, s);
 }
 
 // fp32 <- stored moment (kind ZK_MK_*; V: exp_avg_sq's codes), 256 elements.
@@ -67,9 +77,15 @@ ZK_TGT static inline void zk_c_decode(int kind, bool V_, const void* src, float 
       return;
     case ZK_MK_U8: {
       const uint8_t* c = static_cast<const uint8_t*>(src);
-      const Q::F step = Q::set1f(scale / (V_ ? ZK_V8_LEVELS : ZK_M8_LEVELS));
-      for (int i = 0; i < ZK_QBLOCK; i += Q::W)
-        Q::stf(out + i, V_ ? zk_v8_decode(c + i, step) : zk_m8_decode(c + i, step));
+      if (!V_) {
+        const Q::F step = Q::set1f(scale / ZK_M8_LEVELS);
+        for (int i = 0; i < ZK_QBLOCK; i += Q::W) Q::stf(out + i, zk_m8_decode(c + i, step));
+      } else if (zk_v8_finite(scale)) {
+        const Q::I base = Q::set1i(zk_f32_bits(scale) - ZK_V8_TOP);
+        for (int i = 0; i < ZK_QBLOCK; i += Q::W) Q::stf(out + i, zk_v8_decode(c + i, base));
+      } else {  // a NaN / inf block decodes to NaN everywhere
+        for (int i = 0; i < ZK_QBLOCK; ++i) out[i] = std::numeric_limits<float>::quiet_NaN();
+      }
       return;
     }
     default: {  // float8_e4m3fn: torch's exact conversion (NaN codes 0x7F/0xFF -> 0x7FF00000 | sign), * scale
@@ -102,7 +118,7 @@ ZK_TGT static inline Q::I zk_c_fmix32(Q::I h) {
 }
 
 // fp32 -> stored moment, 256 elements (V_: exp_avg_sq); writes the block's scale for the blockwise
-// kinds. x may be overwritten (the 8-bit v code takes its fourth root in place).
+// kinds. x may be overwritten (the 8-bit v code takes its square root in place).
 // idx0: flat index of the block's element 0 (mod 2^32) for the stochastic-rounding bits.
 ZK_TGT static inline void zk_c_encode(int kind, bool V_, float* x, void* dst, float* scale_out, uint32_t key,
                                       uint32_t idx0) {
@@ -123,10 +139,10 @@ ZK_TGT static inline void zk_c_encode(int kind, bool V_, float* x, void* dst, fl
     }
     case ZK_MK_U8: {
       if (V_)
-        for (int i = 0; i < ZK_QBLOCK; i += Q::W) Q::stf(x + i, Q::sqrt(Q::sqrt(Q::ldf(x + i))));
+        for (int i = 0; i < ZK_QBLOCK; i += Q::W) Q::stf(x + i, Q::sqrt(Q::ldf(x + i)));
       const float scale = zk_q8_absmax(x);
       *scale_out = scale;
-      if (V_) zk_v8_codes(x, zk_c_inverse(scale, ZK_V8_LEVELS), static_cast<uint8_t*>(dst));
+      if (V_) zk_v8_codes(x, scale, static_cast<uint8_t*>(dst));
       else zk_m8_codes(x, zk_c_inverse(scale, ZK_M8_LEVELS), static_cast<uint8_t*>(dst));
       return;
     }
@@ -187,10 +203,12 @@ ZK_TGT static inline V::F zk_c_grad(const void* g, int i) {
 }
 
 // One vector of the fused-Adam update (reference.fused_adam_ref's operations and order; maximize
-// negates g after the grad scale, as the reference does). Returns sqrt(v) (the 8-bit v code takes its root).
-template <bool L2>
+// negates g after the grad scale, as the reference does). PLAIN: grad scale 1 and no maximize, so g is
+// used as loaded (x * 1 is x, and every use of g goes through an IEEE op that quiets a signaling NaN
+// as the multiply would). Returns sqrt(v) (the 8-bit v code encodes it).
+template <bool L2, bool PLAIN = false>
 ZK_TGT static inline V::F zk_c_update1(const ZkCConst& k, V::F gv, V::F& pv, V::F& mv, V::F& vv) {
-  gv = Q::bf(Q::xori(Q::bi(V::mul(gv, k.gscale)), k.neg));
+  if (!PLAIN) gv = Q::bf(Q::xori(Q::bi(V::mul(gv, k.gscale)), k.neg));
   if (L2) gv = V::add(gv, V::mul(k.wd, pv));
   pv = V::mul(pv, k.decay);
   mv = V::add(mv, V::mul(k.omb1, V::sub(gv, mv)));
@@ -236,41 +254,61 @@ ZK_TGT static void zk_c_block_general(const ZkCJob& j, const ZkCHyper& h, const 
 }
 
 // Both moments 8-bit (the memory-saving layout): one pass decodes, updates and stores the master,
-// keeping the updated m and v^(1/4) in L1 buffers and their running absmax in registers; a second
+// keeping the updated m and sqrt(v) in L1 buffers and their running absmax in registers; a second
 // pass over the buffers writes the codes. The next blocks' arrays are prefetched (the step is
 // compute-heavy per byte: without it the loads of a block wait behind the arithmetic of the last).
-template <int GT, bool L2, bool REM>
+// With 16-bit lanes (Q::kPair), two vectors share one remainder join and split, or one bf16 rounding.
+// The caller sends a block whose v scale is not finite (its v decodes to NaN) to zk_c_block_general.
+template <int GT, bool L2, bool REM, bool PLAIN>
 ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCArrays& a, int n) {
   alignas(64) float bm[ZK_QBLOCK];
   alignas(64) float bs[ZK_QBLOCK];
   constexpr int PF = 2 * ZK_QBLOCK;  // prefetch distance: two blocks ahead
+  constexpr int STEP = Q::kPair ? 2 * V::W : V::W;   // 16-bit lanes: two vectors share a join / split / bf16
+  const bool bf16_pair = !REM && Q::kPair && j.p16_kind == ZK_BF16;
   const uint8_t* mc = static_cast<const uint8_t*>(a.m);
   const uint8_t* vc = static_cast<const uint8_t*>(a.v);
-  const Q::F mstep = Q::set1f(*a.m_scale / ZK_M8_LEVELS), vstep = Q::set1f(*a.v_scale / ZK_V8_LEVELS);
+  uint16_t* p16 = static_cast<uint16_t*>(a.p16);
+  const Q::F mstep = Q::set1f(*a.m_scale / ZK_M8_LEVELS);
+  const Q::I vbase = Q::set1i(zk_f32_bits(*a.v_scale) - ZK_V8_TOP);
   const ZkCConst k = zk_c_const(j, h);
   const int psize = REM ? 2 : 4;
   Q::I am = Q::set1i(0), as = Q::set1i(0);
-  for (int i = 0; i < ZK_QBLOCK; i += V::W) {
-    if ((i * 4) % 64 == 0) {  // once per 64 bytes of the widest array
-      __builtin_prefetch(static_cast<const char*>(a.g) + (PF + i) * j.g_size);
+  for (int i0 = 0; i0 < ZK_QBLOCK; i0 += STEP) {
+    if ((i0 * 4) % 64 == 0) {  // once per 64 bytes of the widest array
+      __builtin_prefetch(static_cast<const char*>(a.g) + (PF + i0) * j.g_size);
       __builtin_prefetch((REM ? static_cast<const char*>(a.p16) : reinterpret_cast<const char*>(a.master)) +
-                         (PF + i) * psize);
-      if (REM) __builtin_prefetch(reinterpret_cast<const char*>(a.rem) + (PF + i) * 2);
-      else if (a.p16) __builtin_prefetch(static_cast<const char*>(a.p16) + (PF + i) * 2);
-      if (i % 64 == 0) {
-        __builtin_prefetch(mc + PF + i);
-        __builtin_prefetch(vc + PF + i);
+                         (PF + i0) * psize);
+      if (REM) __builtin_prefetch(reinterpret_cast<const char*>(a.rem) + (PF + i0) * 2);
+      else if (a.p16) __builtin_prefetch(static_cast<const char*>(a.p16) + (PF + i0) * 2);
+      if (i0 % 64 == 0) {
+        __builtin_prefetch(mc + PF + i0);
+        __builtin_prefetch(vc + PF + i0);
       }
     }
-    V::F pv = REM ? zk_c_join1(static_cast<const uint16_t*>(a.p16) + i, a.rem + i) : V::load(a.master + i);
-    V::F mv = zk_m8_decode(mc + i, mstep), vv = zk_v8_decode(vc + i, vstep);
-    const V::F sq = V::sqrt(zk_c_update1<L2>(k, zk_c_grad<GT>(a.g, i), pv, mv, vv));  // v^(1/4)
-    if (REM) zk_c_split1(pv, static_cast<uint16_t*>(a.p16) + i, a.rem + i);
-    else zk_c_store_master(j, a, i, pv);
-    V::store(bm + i, mv);
-    V::store(bs + i, sq);
-    am = Q::maxi(am, zk_q8_absbits(mv));
-    as = Q::maxi(as, zk_q8_absbits(sq));
+    V::F px[2];
+    if constexpr (REM && Q::kPair) Q::join2(p16 + i0, a.rem + i0, px[0], px[1]);
+    for (int u = 0; u < STEP / V::W; ++u) {
+      const int i = i0 + u * V::W;
+      V::F pv;
+      if constexpr (REM && Q::kPair) pv = px[u];
+      else if constexpr (REM) pv = zk_c_join1(p16 + i, a.rem + i);
+      else pv = V::load(a.master + i);
+      V::F mv = zk_m8_decode(mc + i, mstep), vv = zk_v8_decode(vc + i, vbase);
+      const V::F sq = zk_c_update1<L2, PLAIN>(k, zk_c_grad<GT>(a.g, i), pv, mv, vv);
+      if constexpr (Q::kPair) px[u] = pv;
+      if constexpr (REM && !Q::kPair) zk_c_split1(pv, p16 + i, a.rem + i);
+      if constexpr (!REM) {
+        if (bf16_pair) V::store(a.master + i, pv);
+        else zk_c_store_master(j, a, i, pv);
+      }
+      V::store(bm + i, mv);
+      V::store(bs + i, sq);
+      am = Q::maxi(am, zk_q8_absbits(mv));
+      as = Q::maxi(as, zk_q8_absbits(sq));
+    }
+    if constexpr (REM && Q::kPair) Q::split2(px[0], px[1], p16 + i0, a.rem + i0);
+    else if (bf16_pair) Q::bf16x2(px[0], px[1], p16 + i0);
   }
   float ms, vs;
   if (n == ZK_QBLOCK) {
@@ -285,7 +323,7 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
   *a.m_scale = ms;
   *a.v_scale = vs;
   zk_m8_codes(bm, zk_c_inverse(ms, ZK_M8_LEVELS), static_cast<uint8_t*>(a.m));
-  zk_v8_codes(bs, zk_c_inverse(vs, ZK_V8_LEVELS), static_cast<uint8_t*>(a.v));
+  zk_v8_codes(bs, vs, static_cast<uint8_t*>(a.v));
 }
 
 // One 256-element block whose arrays are given by `a` (the tensors' own memory for a whole block,
@@ -293,9 +331,12 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
 template <int GT, bool L2>
 ZK_TGT static inline void zk_c_block(const ZkCJob& j, const ZkCHyper& h, const ZkCArrays& a, int n,
                                      uint32_t idx0) {
-  if (j.m_kind == ZK_MK_U8 && j.v_kind == ZK_MK_U8) {
-    if (j.master_kind == ZK_MASTER_REM) zk_c_block_q8<GT, L2, true>(j, h, a, n);
-    else zk_c_block_q8<GT, L2, false>(j, h, a, n);
+  if (j.m_kind == ZK_MK_U8 && j.v_kind == ZK_MK_U8 && zk_v8_finite(*a.v_scale)) {
+    const bool rem = j.master_kind == ZK_MASTER_REM, plain = h.gscale == 1.0f && !h.maximize;
+    if (rem && plain) zk_c_block_q8<GT, L2, true, true>(j, h, a, n);
+    else if (rem) zk_c_block_q8<GT, L2, true, false>(j, h, a, n);
+    else if (plain) zk_c_block_q8<GT, L2, false, true>(j, h, a, n);
+    else zk_c_block_q8<GT, L2, false, false>(j, h, a, n);
     return;
   }
   zk_c_block_general<GT, L2>(j, h, a, n, idx0);

@@ -52,6 +52,11 @@ struct Q {
   using I = uint32_t;
   using M = bool;
   static constexpr int W = 1;
+  // No 16-bit-lane pair ops: cpu_adam_coded_simd.h uses zk_c_join1 / zk_c_split1 (these are never called).
+  static constexpr bool kPair = false;
+  static inline void join2(const uint16_t*, const int16_t*, F&, F&) {}
+  static inline void split2(F, F, uint16_t*, int16_t*) {}
+  static inline void bf16x2(F, F, uint16_t*) {}
   static inline F bf(I x) { F f; std::memcpy(&f, &x, 4); return f; }
   static inline I bi(F x) { I u; std::memcpy(&u, &x, 4); return u; }
   static inline F ldf(const float* p) { return *p; }
@@ -79,11 +84,16 @@ struct Q {
   static inline I xori(I a, I b) { return a ^ b; }
   template <int S> static inline I shr(I a) { return a >> S; }
   template <int S> static inline I shl(I a) { return a << S; }
+  template <int S> static inline I srai(I a) { return static_cast<I>(static_cast<int32_t>(a) >> S); }
   static inline I mini(I a, I b) { return static_cast<int32_t>(a) < static_cast<int32_t>(b) ? a : b; }
   static inline I maxi(I a, I b) { return static_cast<int32_t>(a) > static_cast<int32_t>(b) ? a : b; }
   static inline M gti(I a, I b) { return static_cast<int32_t>(a) > static_cast<int32_t>(b); }  // signed
   static inline M eqi(I a, I b) { return a == b; }
   static inline M isnan(F a) { return a != a; }
+  // bits & 0x7FFFFFFF ? max(c, 1) : 0 (the raise / zero rule of the 8-bit v code)
+  // code ? (code << 19) + base : 0 (the 8-bit v decode's bits of sqrt(v))
+  static inline I v8_bits(I code, I base) { return code ? (code << 19) + base : 0u; }
+  static inline I v8_raise(I bits, I c) { return (bits & 0x7FFFFFFFu) ? (static_cast<int32_t>(c) > 1 ? c : 1u) : 0u; }
   static inline I seli(M m, I a, I b) { return m ? a : b; }
   static inline F self(M m, F a, F b) { return m ? a : b; }
   static inline uint32_t hmaxi(I a) { return a; }
@@ -105,6 +115,10 @@ struct Q {
   using I = __m256i;
   using M = __m256i;  // all-ones lanes
   static constexpr int W = 8;
+  static constexpr bool kPair = false;  // as zk_scalar::Q: never called
+  ZK_TGT static inline void join2(const uint16_t*, const int16_t*, F&, F&) {}
+  ZK_TGT static inline void split2(F, F, uint16_t*, int16_t*) {}
+  ZK_TGT static inline void bf16x2(F, F, uint16_t*) {}
   ZK_TGT static inline F bf(I x) { return _mm256_castsi256_ps(x); }
   ZK_TGT static inline I bi(F x) { return _mm256_castps_si256(x); }
   ZK_TGT static inline F ldf(const float* p) { return _mm256_loadu_ps(p); }
@@ -150,11 +164,20 @@ struct Q {
   ZK_TGT static inline I xori(I a, I b) { return _mm256_xor_si256(a, b); }
   template <int S> ZK_TGT static inline I shr(I a) { return _mm256_srli_epi32(a, S); }
   template <int S> ZK_TGT static inline I shl(I a) { return _mm256_slli_epi32(a, S); }
+  template <int S> ZK_TGT static inline I srai(I a) { return _mm256_srai_epi32(a, S); }
   ZK_TGT static inline I mini(I a, I b) { return _mm256_min_epi32(a, b); }
   ZK_TGT static inline I maxi(I a, I b) { return _mm256_max_epi32(a, b); }
   ZK_TGT static inline M gti(I a, I b) { return _mm256_cmpgt_epi32(a, b); }
   ZK_TGT static inline M eqi(I a, I b) { return _mm256_cmpeq_epi32(a, b); }
   ZK_TGT static inline M isnan(F a) { return bi(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
+  ZK_TGT static inline I v8_bits(I code, I base) {
+    const M zero = _mm256_cmpeq_epi32(code, _mm256_setzero_si256());
+    return _mm256_andnot_si256(zero, _mm256_add_epi32(_mm256_slli_epi32(code, 19), base));
+  }
+  ZK_TGT static inline I v8_raise(I bits, I c) {
+    const M zero = _mm256_cmpeq_epi32(_mm256_and_si256(bits, set1i(0x7FFFFFFFu)), _mm256_setzero_si256());
+    return _mm256_andnot_si256(zero, _mm256_max_epi32(c, set1i(1)));
+  }
   ZK_TGT static inline I seli(M m, I a, I b) { return _mm256_blendv_epi8(b, a, m); }
   ZK_TGT static inline F self(M m, F a, F b) { return _mm256_blendv_ps(b, a, bf(m)); }
   ZK_TGT static inline uint32_t hmaxi(I a) {
@@ -194,7 +217,7 @@ struct Q {
 #undef ZK_TGT
 }  // namespace zk_avx2
 
-// ============================================================================ AVX-512F
+// ============================================================================ AVX-512 (F + BW)
 namespace zk_avx512 {
 #define ZK_TGT ZK_TGT_AVX512
 struct Q {
@@ -243,14 +266,71 @@ struct Q {
   ZK_TGT static inline I xori(I a, I b) { return _mm512_xor_si512(a, b); }
   template <int S> ZK_TGT static inline I shr(I a) { return _mm512_srli_epi32(a, S); }
   template <int S> ZK_TGT static inline I shl(I a) { return _mm512_slli_epi32(a, S); }
+  template <int S> ZK_TGT static inline I srai(I a) { return _mm512_srai_epi32(a, S); }
   ZK_TGT static inline I mini(I a, I b) { return _mm512_min_epi32(a, b); }
   ZK_TGT static inline I maxi(I a, I b) { return _mm512_max_epi32(a, b); }
   ZK_TGT static inline M gti(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }
   ZK_TGT static inline M eqi(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
   ZK_TGT static inline M isnan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+  ZK_TGT static inline I v8_bits(I code, I base) {
+    return _mm512_maskz_add_epi32(_mm512_test_epi32_mask(code, code), _mm512_slli_epi32(code, 19), base);
+  }
+  ZK_TGT static inline I v8_raise(I bits, I c) {
+    return _mm512_maskz_max_epi32(_mm512_test_epi32_mask(bits, set1i(0x7FFFFFFFu)), c, set1i(1));
+  }
   ZK_TGT static inline I seli(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
   ZK_TGT static inline F self(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
   ZK_TGT static inline uint32_t hmaxi(I a) { return static_cast<uint32_t>(_mm512_reduce_max_epi32(a)); }
+  // Two vectors (32 elements) of fp32 masters <-> 32 bf16 parameters + 32 int16 remainders, worked in
+  // 16-bit lanes (AVX512BW): the same bits as cpu_adam_coded_simd.h's zk_c_join1 / zk_c_split1
+  // ([Note: state codecs] 3): bits = (hi << 16) + rem is hi - (rem < 0) over the low word rem; the split
+  // rounds hi up where lo > 0x8000 or lo == 0x8000 with hi odd (RNE), keeps rem = lo (as int16 it is
+  // lo - 65536 where hi was rounded up) except a tie rounded down (0x8000 -> 0x7FFF), and writes a NaN
+  // as 0x7FC0 / 0.
+  static constexpr bool kPair = true;
+  ZK_TGT static inline I words(int first) {  // 16-bit word indices first, first + 2, ..., first + 62
+    return _mm512_add_epi16(_mm512_set1_epi16(static_cast<short>(first)),
+                            _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
+                                             30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0));
+  }
+  ZK_TGT static inline void join2(const uint16_t* hp, const int16_t* rp, F& x0, F& x1) {
+    const I r = _mm512_loadu_si512(rp);
+    I h = _mm512_loadu_si512(hp);
+    h = _mm512_mask_sub_epi16(h, _mm512_movepi16_mask(r), h, _mm512_set1_epi16(1));
+    // word 2k of x0 / x1: rem k / rem 16 + k; word 2k + 1: hi k / hi 16 + k (index 32 + .. picks h)
+    const I lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    x0 = bf(_mm512_permutex2var_epi16(r, lo_idx, h));
+    x1 = bf(_mm512_permutex2var_epi16(r, _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16)), h));
+  }
+  ZK_TGT static inline void split2(F x0, F x1, uint16_t* hp, int16_t* rp) {
+    const I lo = _mm512_permutex2var_epi16(bi(x0), words(0), bi(x1));
+    const I hi = _mm512_permutex2var_epi16(bi(x0), words(1), bi(x1));
+    const I half = _mm512_set1_epi16(static_cast<short>(0x8000));
+    const __mmask32 tie = _mm512_cmpeq_epi16_mask(lo, half);
+    const __mmask32 up =
+        _mm512_cmpgt_epu16_mask(lo, half) | (tie & _mm512_test_epi16_mask(hi, _mm512_set1_epi16(1)));
+    const __mmask32 nan = _mm512_kunpackw(_mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q),
+                                          _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q));
+    I h = _mm512_mask_add_epi16(hi, up, hi, _mm512_set1_epi16(1));
+    h = _mm512_mask_mov_epi16(h, nan, _mm512_set1_epi16(0x7FC0));
+    const I r = _mm512_mask_mov_epi16(lo, tie & ~up, _mm512_set1_epi16(0x7FFF));
+    _mm512_storeu_si512(hp, h);
+    _mm512_storeu_si512(rp, _mm512_maskz_mov_epi16(~nan, r));
+  }
+  // Two vectors rounded to bf16 in 16-bit lanes, the bits of V::store_bf16 (cpu_vec.h): round to nearest
+  // even; a NaN keeps its sign and high payload, quieted (| 0x0040), as torch's cast.
+  ZK_TGT static inline void bf16x2(F x0, F x1, uint16_t* hp) {
+    const I lo = _mm512_permutex2var_epi16(bi(x0), words(0), bi(x1));
+    const I hi = _mm512_permutex2var_epi16(bi(x0), words(1), bi(x1));
+    const I half = _mm512_set1_epi16(static_cast<short>(0x8000));
+    const __mmask32 up = _mm512_cmpgt_epu16_mask(lo, half) |
+                         (_mm512_cmpeq_epi16_mask(lo, half) & _mm512_test_epi16_mask(hi, _mm512_set1_epi16(1)));
+    const __mmask32 nan = _mm512_kunpackw(_mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q),
+                                          _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q));
+    const I h = _mm512_mask_add_epi16(hi, up, hi, _mm512_set1_epi16(1));
+    _mm512_storeu_si512(hp, _mm512_mask_mov_epi16(h, nan, _mm512_or_si512(hi, _mm512_set1_epi16(0x0040))));
+  }
   // 32-entry lookup in two registers (bits 0-4 of the index), then blends on the higher bits.
   ZK_TGT static inline F perm32(const float* t, I k) {
     return _mm512_permutex2var_ps(_mm512_load_ps(t), k, _mm512_load_ps(t + 16));

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #ifndef _OPENMP
@@ -111,7 +112,7 @@ constexpr int64_t ZK_GRAIN_UNITS = 2048;  // 32K elements: below this, one threa
 }  // namespace
 
 #define ZK_TGT_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define ZK_TGT_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+#define ZK_TGT_AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
 
 // ============================================================================ portable scalar
 namespace zk_scalar {

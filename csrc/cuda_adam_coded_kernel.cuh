@@ -65,7 +65,8 @@ constexpr int kCodedMinBlocksPerSM = 3;
 constexpr int kCodedMaxTensors = 40;                      // tensors per launch (parameter space < 4 KB)
 constexpr float kF8Max = 448.0f;                          // codecs.F8_MAX: largest finite e4m3fn
 constexpr float kM8Levels = 127.0f;                       // codecs.M8_LEVELS: exp_avg codes -127..127
-constexpr float kV8Levels = 255.0f;                       // codecs.V8_LEVELS: exp_avg_sq codes 0..255 of sqrt(v)
+constexpr uint32_t kV8Top = 255u << 19;                    // codecs.V8_LEVELS (255) in the bits of sqrt(v)
+constexpr uint32_t kV8Half = 1u << 18;                     // half a code step (codecs.V8_STEP_BITS = 19)
 constexpr float kFltMax = 3.4028234663852886e38f;         // the largest finite fp32 (codecs._FLT_MAX)
 constexpr uint32_t kCanonicalNaN = 0x7FC00000u;           // an 8-bit block's NaN scale (codecs.block_absmax)
 static_assert(kThreads % 32 == 0 && kCodedChunk % kQBlock == 0, "blocks must hold whole warps and blocks");
@@ -198,19 +199,20 @@ __device__ __forceinline__ uint32_t encode_f8(float y) {
   return (code & 0xFFu) | sign;
 }
 
-// The 8-bit moment codes (codecs.encode_m8 / encode_v8), given inv = levels / scale, finite or 0.
-// encode_m8: round half to even (cvt.rni) of m * inv, as int8 bits; 0 where inv == 0 (x may be inf or
+// The 8-bit moment codes (codecs.encode_m8 / encode_v8).
+// encode_m8, given inv = 127 / scale, finite or 0: round half to even (cvt.rni) of m * inv, as int8 bits; 0 where inv == 0 (x may be inf or
 // NaN there, and x * 0 would not be 0).
 __device__ __forceinline__ uint32_t encode_m8(float x, float inv) {
   const int32_t code = __float2int_rn(zk::cuda_adam::mul_rn(x, inv));
   return inv == 0.0f ? 0u : uint32_t(code) & 0xFFu;
 }
-// encode_v8: r = v^(1/4) >= 0 times inv, rounded half to even (cvt.rni, <= 255), raised to 1 where
-// r > 0 (compared on the bits: no flush-to-zero compare drops a subnormal r); 0 where inv == 0.
-__device__ __forceinline__ uint32_t encode_v8(float r, float inv) {
-  const int32_t code = __float2int_rn(zk::cuda_adam::mul_rn(r, inv));
-  const int32_t raised = int32_t(__float_as_uint(r)) > 0 ? max(code, 1) : code;
-  return inv == 0.0f ? 0u : uint32_t(raised);
+// encode_v8, given k = 255 * 2^19 + 2^18 - bits(scale) (wrapping) for a finite scale: the log code of
+// s = sqrt(v) >= 0 on its bits, max(int32(bits(s) + k) >> 19, 1), 0 where s == 0 (tested on the bits:
+// no flush-to-zero compare); the caller writes 0 for a block whose scale is not finite.
+__device__ __forceinline__ uint32_t encode_v8(float s, uint32_t k) {
+  const uint32_t b = __float_as_uint(s);
+  const int32_t code = max(int32_t(b + k) >> 19, 1);
+  return (b & 0x7FFFFFFFu) == 0u ? 0u : uint32_t(code);
 }
 
 // split_remainder: fp32 bits -> (bf16 = round-to-nearest-even, int16 remainder with the tie 0x8000
@@ -235,7 +237,7 @@ __device__ __forceinline__ uint32_t warp_max_u32(uint32_t a) {
 }
 
 // One lane's 8 elements of a moment, decoded to fp32. K: MomentKind; kSq: this is exp_avg_sq (for
-// kMomU8: the fourth-root-domain code of codecs.decode_v8, else the signed one of decode_m8). `q`: the
+// kMomU8: the log code of sqrt(v) of codecs.decode_v8, else the signed one of decode_m8). `q`: the
 // quantization block (scale index).
 template <int K, bool kSq>
 __device__ __forceinline__ void load_moment(const void* ptr, const float* __restrict__ scales, int64_t e0,
@@ -252,13 +254,13 @@ __device__ __forceinline__ void load_moment(const void* ptr, const float* __rest
     if constexpr (K == kMomF8) {
 #pragma unroll
       for (int j = 0; j < kLaneElems; ++j) x[j] = zk::cuda_adam::mul_rn(decode_f8(raw[j]), scale);
-    } else if constexpr (kSq) {      // decode_v8: d = code * (scale / 255), v = (d * d) * (d * d)
-      const float step = zk::cuda_adam::div_rn(scale, kV8Levels);
+    } else if constexpr (kSq) {      // decode_v8: s = bits((code << 19) + bits(scale) - 255 * 2^19), v = s * s
+      const uint32_t sb = __float_as_uint(scale);
+      const bool finite = (sb & 0x7FFFFFFFu) < 0x7F800000u;   // else NaN everywhere
 #pragma unroll
       for (int j = 0; j < kLaneElems; ++j) {
-        const float d = zk::cuda_adam::mul_rn(__uint2float_rn(raw[j]), step);
-        const float d2 = zk::cuda_adam::mul_rn(d, d);
-        x[j] = zk::cuda_adam::mul_rn(d2, d2);
+        const float sd = raw[j] == 0u ? 0.0f : __uint_as_float((raw[j] << 19) + sb - kV8Top);
+        x[j] = finite ? zk::cuda_adam::mul_rn(sd, sd) : __uint_as_float(kCanonicalNaN);
       }
     } else {                         // decode_m8: m = int8(code) * (scale / 127)
       const float step = zk::cuda_adam::div_rn(scale, kM8Levels);
@@ -271,7 +273,7 @@ __device__ __forceinline__ void load_moment(const void* ptr, const float* __rest
 
 // Encode one lane's 8 updated elements and store them; blockwise formats also store the block's new
 // scale (lane 0). Called by all 32 lanes of the warp (the absmax is a warp reduction). K, kSq: as for
-// load_moment; for kMomU8 with kSq, x holds v^(1/4), what the code is taken of (see the kernel).
+// load_moment; for kMomU8 with kSq, x holds sqrt(v), what the code is taken of (see the kernel).
 template <int K, bool kSq>
 __device__ __forceinline__ void store_moment(const float (&x)[kLaneElems], void* ptr, float* __restrict__ scales,
                                              int64_t e0, int64_t q, bool vec, int valid, uint32_t index0,
@@ -296,10 +298,17 @@ __device__ __forceinline__ void store_moment(const float (&x)[kLaneElems], void*
         raw[j] = encode_f8(scale == 0.0f ? 0.0f : zk::cuda_adam::div_rn(x[j], scale));
     } else {                         // codecs.encode_m8 / encode_v8; any NaN scale is the canonical one
       scale = __uint_as_float(block_max > 0x7F800000u ? kCanonicalNaN : block_max);
-      const float inv = zk::cuda_adam::div_rn(kSq ? kV8Levels : kM8Levels, scale);
-      const float inv_or_0 = inv <= kFltMax ? inv : 0.0f;   // false for inf and NaN
+      if constexpr (kSq) {
+        const uint32_t k = kV8Top + kV8Half - block_max;
+        const bool finite = block_max < 0x7F800000u;
 #pragma unroll
-      for (int j = 0; j < kLaneElems; ++j) raw[j] = kSq ? encode_v8(x[j], inv_or_0) : encode_m8(x[j], inv_or_0);
+        for (int j = 0; j < kLaneElems; ++j) raw[j] = finite ? encode_v8(x[j], k) : 0u;
+      } else {
+        const float inv = zk::cuda_adam::div_rn(kM8Levels, scale);
+        const float inv_or_0 = inv <= kFltMax ? inv : 0.0f;   // false for inf and NaN
+#pragma unroll
+        for (int j = 0; j < kLaneElems; ++j) raw[j] = encode_m8(x[j], inv_or_0);
+      }
     }
     store8<uint8_t>(static_cast<uint8_t*>(ptr) + e0, vec, valid, raw);
     if ((threadIdx.x & 31u) == 0) scales[q] = scale;
@@ -385,9 +394,9 @@ fused_adam_coded_kernel(const __grid_constant__ CodedTensorTable table,  // the 
   for (int j = 0; j < kLaneElems; ++j) {
     float unused = 0.f;
     const float root = zk::cuda_adam::adam_update<false>(p[j], g[j], m[j], v[j], unused, c, gmul, s.adam);
-    // A uint8 exp_avg_sq is coded in the fourth-root domain: from here on v holds sqrt(sqrt(v_new)),
-    // the second root of the one the denominator took (codecs.encode_v8: the same two IEEE sqrts).
-    if constexpr (kV == kMomU8) v[j] = zk::cuda_adam::sqrt_rn(root);
+    // A uint8 exp_avg_sq is coded from sqrt(v_new): from here on v holds the root the denominator took
+    // (codecs.encode_v8: the same IEEE sqrt).
+    if constexpr (kV == kMomU8) v[j] = root;
   }
 
   if constexpr (kMasterKind == kMasterRemainder) {

@@ -17,7 +17,9 @@ import triton.language as tl
 QBLOCK = tl.constexpr(256)      # codecs.BLOCK: elements per block scale
 F8_MAX = tl.constexpr(448.0)    # codecs.F8_MAX: largest finite float8_e4m3fn
 M8_LEVELS = tl.constexpr(127.0)     # codecs.M8_LEVELS: exp_avg codes -127..127
-V8_LEVELS = tl.constexpr(255.0)     # codecs.V8_LEVELS: exp_avg_sq codes 0..255 of sqrt(v)
+V8_STEP_BITS = tl.constexpr(19)         # codecs.V8_STEP_BITS: one exp_avg_sq code = 2^19 in the bits of sqrt(v)
+V8_TOP_BITS = tl.constexpr(255 << 19)   # the top code (codecs.V8_LEVELS = 255) in those bits
+V8_HALF_STEP = tl.constexpr(1 << 18)    # rounds to the nearest code
 RNE_MAGIC = tl.constexpr(12582912.0)    # 1.5 * 2^23: y + RNE_MAGIC lies in [2^23, 2^24) for |y| <= 2^22
 RNE_MAGIC_BITS = tl.constexpr(0x4B400000)   # its fp32 bits
 
@@ -111,28 +113,29 @@ def decode_m8(code, scale):
 
 
 @triton.jit
-def encode_v8(r, mask):
-    """exp_avg_sq^(1/4) tile (two IEEE square roots of v) -> (uint8 codes, fp32 scale of v^(1/4) per row):
-    codecs.encode_v8. code = round_half_even(r * (255 / scale)) (the magic add of encode_m8; <= 255 as
-    r <= scale), raised to 1 where r > 0 (a nonzero v never decodes to 0), 0 where the inverse is not
-    finite. The raise compares the integer bits (r >= 0), so no flush-to-zero compare can drop a
-    subnormal r."""
-    scale = block_absmax(r, mask)
-    inv = _inverse(scale, V8_LEVELS)[:, None]
-    y = tl.where(inv == 0.0, 0.0, r * inv)        # in [0, 255 + a rounding]: no NaN, inf or negative value
-    code = (y + RNE_MAGIC).to(tl.int32, bitcast=True) - RNE_MAGIC_BITS
-    positive = (r.to(tl.int32, bitcast=True) > 0) & (inv != 0.0)
-    code = tl.where(positive, tl.maximum(code, 1), code)
-    return code.to(tl.uint8), scale
+def encode_v8(s, mask):
+    """sqrt(exp_avg_sq) tile (the update's own IEEE square root) -> (uint8 log codes, fp32 scale = max s per
+    row): codecs.encode_v8. code = max(((bits(s) - bits(scale)) + 255 * 2^19 + 2^18) >> 19, 1) on the int32
+    bits (the difference first: no int32 overflow; <= 255 as s <= scale), 0 where s == 0 (tested on the
+    bits, so no flush-to-zero compare is involved) or the scale is not finite."""
+    scale = block_absmax(s, mask)
+    sb = scale.to(tl.int32, bitcast=True)[:, None]
+    bits = s.to(tl.int32, bitcast=True)
+    code = tl.maximum(((bits - sb) + (V8_TOP_BITS + V8_HALF_STEP)) >> V8_STEP_BITS, 1)
+    keep = ((bits & 0x7FFFFFFF) != 0) & (sb < 0x7F800000)
+    return tl.where(keep, code, 0).to(tl.uint8), scale
 
 
 @triton.jit
 def decode_v8(code, scale):
-    """(uint8 codes, fp32 scale of v^(1/4) of each element's block) -> fp32 exp_avg_sq = (d * d) * (d * d)
-    with d = float(code) * (scale / 255) (codecs.decode_v8)."""
-    d = code.to(tl.float32) * tl.div_rn(scale, V8_LEVELS)
-    d2 = d * d
-    return d2 * d2
+    """(uint8 log codes, fp32 scale = max sqrt(v) of each element's block) -> fp32 exp_avg_sq = s * s with
+    s = bits((code << 19) + bits(scale) - 255 * 2^19), 0 where code == 0, NaN where the scale is not finite
+    (codecs.decode_v8)."""
+    sb = scale.to(tl.int32, bitcast=True)
+    c = code.to(tl.int32)
+    s = tl.where(c == 0, 0, (c << V8_STEP_BITS) + (sb - V8_TOP_BITS)).to(tl.float32, bitcast=True)
+    s = tl.where((sb & 0x7FFFFFFF) < 0x7F800000, s, float("nan"))
+    return s * s
 
 
 @triton.jit

@@ -13,10 +13,10 @@ compiled variants also convert some arrays between the tile's layout and their a
 is open work, as is wider access to the uint8 codes).
 State kinds (constexprs): MASTER_KIND 0 = an fp32 master (or the fp32 parameter), 1 = bf16 parameter +
 int16 remainder; M_KIND / V_KIND 0 = fp32, 1 = bf16 stochastic rounding, 2 = uint8 (the arithmetic 8-bit
-moment codec: int8 codes of m, codes of v^(1/4), both rounded to nearest; no table, no search),
+moment codec: int8 codes of m rounded to nearest, log codes of sqrt(v) on its bits; no table, no search),
 3 = float8_e4m3fn; both blockwise kinds read and write an fp32 scale per block. An 8-bit exp_avg_sq is
-encoded from the square root of the update's own sqrt(v) (adam.adam_update returns it, ``tl.sqrt_rn``):
-codecs.encode_v8 takes the same two correctly rounded square roots of the new v (reference.sqrt_rn).
+encoded from the update's own sqrt(v) (adam.adam_update returns it, ``tl.sqrt_rn``): codecs.encode_v8
+takes the same correctly rounded square root of the new v (reference.sqrt_rn).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def _ptr(address, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
 def _load_moment(ptr, scale_ptr, offs, mask, rows, MASKED: tl.constexpr, KIND: tl.constexpr, SQ: tl.constexpr,
                  ALIGNED: tl.constexpr):
     """Decode one moment of the tile to fp32 (KIND: see [Note: the coded kernel]; SQ: exp_avg_sq, whose
-    8-bit code is of v^(1/4)). A blockwise moment's scale is loaded once per row (block) and broadcast,
+    8-bit code is the log code of sqrt(v)). A blockwise moment's scale is loaded once per row (block) and broadcast,
     so the per-block division of the decode runs once per row, not per element."""
     if KIND == 0:
         return ld(_ptr(ptr, tl.float32, ALIGNED), offs, mask, MASKED)
@@ -74,7 +74,7 @@ def _load_moment(ptr, scale_ptr, offs, mask, rows, MASKED: tl.constexpr, KIND: t
 def _store_moment(x, root, ptr, scale_ptr, offs, mask, rows, index_offset, key,
                   MASKED: tl.constexpr, KIND: tl.constexpr, SQ: tl.constexpr, ALIGNED: tl.constexpr):
     """Encode one updated moment of the tile and store it (with its new block scales). ``root``: sqrt(x),
-    whose square root the 8-bit exp_avg_sq code (SQ) takes."""
+    which the 8-bit exp_avg_sq code (SQ) encodes."""
     if KIND == 0:
         st(_ptr(ptr, tl.float32, ALIGNED), offs, x, mask, MASKED)
     elif KIND == 1:
@@ -84,7 +84,7 @@ def _store_moment(x, root, ptr, scale_ptr, offs, mask, rows, index_offset, key,
             scale = tl.div_rn(block_absmax(x, mask), F8_MAX)
             code = encode_f8(scaled(x, scale))
         elif SQ:
-            code, scale = encode_v8(tl.sqrt_rn(root), mask)
+            code, scale = encode_v8(root, mask)
         else:
             code, scale = encode_m8(x, mask)
         st(_ptr(ptr, tl.uint8, ALIGNED), offs, code, mask, MASKED)

@@ -15,7 +15,8 @@ def _inverse(scale, levels):
 
 
 def wrong_v8_sqrt(x):
-    """exp_avg_sq coded like codecs.encode_v8 but in the square-root domain instead of the fourth root."""
+    """exp_avg_sq coded linearly in sqrt(v) (255 levels under the block max, raised to 1) instead of codecs.encode_v8's
+    log code."""
     sb, scale = C.block_absmax(sqrt_rn(x.float()))
     inv = _inverse(scale, C.V8_LEVELS)
     code = torch.where(inv == 0, 0.0, torch.clamp(torch.round(sb * inv), min=1.0)).to(torch.uint8)

@@ -160,8 +160,8 @@ def _encode_kernel(
     v_ptr,          # fp32 [numel]: exp_avg_sq values to code (their IEEE square roots are coded)
     m_codes_ptr,    # uint8 [numel]: int8 codes of m out
     m_scales_ptr,   # fp32 [ceil(numel / 256)]: block scales of m out
-    v_codes_ptr,    # uint8 [numel]: codes of v^(1/4) out
-    v_scales_ptr,   # fp32 [ceil(numel / 256)]: block scales of v^(1/4) out
+    v_codes_ptr,    # uint8 [numel]: log codes of sqrt(v) out
+    v_scales_ptr,   # fp32 [ceil(numel / 256)]: block scales (max sqrt(v)) out
     numel,          # int64: elements
     ROWS: tl.constexpr,   # 256-element blocks per program, as the coded kernel's [4, 256] tile
 ):
@@ -172,7 +172,7 @@ def _encode_kernel(
     code, scale = encode_m8(tl.load(m_ptr + offs, mask=mask, other=0.0), mask)
     tl.store(m_codes_ptr + offs, code, mask=mask)
     tl.store(m_scales_ptr + rows, scale, mask=row_mask)
-    code, scale = encode_v8(tl.sqrt_rn(tl.sqrt_rn(tl.load(v_ptr + offs, mask=mask, other=0.0))), mask)
+    code, scale = encode_v8(tl.sqrt_rn(tl.load(v_ptr + offs, mask=mask, other=0.0)), mask)
     tl.store(v_codes_ptr + offs, code, mask=mask)
     tl.store(v_scales_ptr + rows, scale, mask=row_mask)
 
@@ -213,14 +213,20 @@ def _round_half_away(y):
     return torch.trunc(y + 0.5 * torch.sign(y))
 
 
+def _v8_unclamped(v, scale):
+    """codecs.encode_v8's code before the raise to 1 (int64): nearest log step of sqrt(v) under ``scale``."""
+    sb, tb = sqrt_rn(v).view(torch.int32).long(), scale.view(torch.int32).long()
+    return (sb - tb + (255 << 19) + (1 << 18)) >> 19
+
+
 def edge_blocks():
     """(m, v): fp32 tensors of 10 blocks + 37 elements, block by block (B = 256):
     0 ties: scale 127 (inv exactly 1), x = k + 0.5 for k in -127..126 plus +-127, so x * inv is an exact tie;
-    1 ties at scale 127 * 2^-10 (inv exactly 2^10); v: block 0 fourth powers of 0..255 (codes k under the
-      scale 255, inv exactly 1), block 1 random;
+    1 ties at scale 127 * 2^-10 (inv exactly 2^10); v: block 0 the squares of the 256 code points under
+      scale 1 (code k exactly), block 1 random;
     2 all zeros; 3 a NaN; 4 +inf (v) / -inf (m); 5 subnormal values only (m: 127 / scale overflows -> codes
-    0; v: the fourth root is normal); 6 m scale 3.7e-37 (127 / scale just above FLT_MAX -> 0), v subnormals
-    next to 3e38 (r * inv rounds to 0: raised to code 1);
+    0; v: the square root is normal); 6 m scale 3.7e-37 (127 / scale just above FLT_MAX -> 0), v subnormals
+    next to 3e38 (far below 16 octaves: raised to code 1);
     7 m scale 3.8e-37 (inverse finite, about 3.3e38) with subnormal values in the block; 8, 9 random
     magnitudes; then a partial block of 37 random elements."""
     g = torch.Generator().manual_seed(11)
@@ -242,16 +248,17 @@ def edge_blocks():
     m += [torch.randn(B, generator=g) * 10.0 ** torch.randint(-20, 5, (B,), generator=g).float() for _ in range(2)]
     m.append(torch.randn(37, generator=g))
 
-    fourth = torch.arange(B, dtype=F32) ** 4          # r = k (to within the fp32 rounding of k^4) under scale 255
-    v = [fourth, torch.rand(B, generator=g), torch.zeros(B)]
+    points = (0x3F800000 - (255 - torch.arange(B, dtype=torch.int32)) * 2**19).view(F32)   # s of code k, scale 1
+    points[0] = 0.0
+    v = [points * points, torch.rand(B, generator=g), torch.zeros(B)]
     vnan = torch.rand(B, generator=g)
     vnan[3] = float("nan")
     vinf = torch.rand(B, generator=g)
     vinf[250] = float("inf")
     vsub = torch.rand(B, generator=g) * 1e-39
     vmix = torch.rand(B, generator=g) * 1e-40
-    vmix[9] = 3e38                                    # fourth root 4.2e9: inv = 255 / 4.2e9 = 6.1e-8
-    vmix[10:20] = 1.4e-45                             # fourth root 6.1e-12: r * inv = 3.7e-19 -> 0, raised to 1
+    vmix[9] = 3e38                                    # sqrt 1.7e19: the block's scale
+    vmix[10:20] = 1.4e-45                             # sqrt 3.7e-23: 141 octaves below, raised to code 1
     v += [vnan, vinf, vsub, vmix, torch.rand(B, generator=g) * 1e-30]
     v += [torch.rand(B, generator=g) * 10.0 ** torch.randint(-30, 10, (B,), generator=g).float() for _ in range(2)]
     v.append(torch.rand(37, generator=g))
@@ -281,31 +288,30 @@ def test_codec_device_functions_equal_the_definition_on_edge_cases():
     assert (mc[5 * B:7 * B] == 0).all() and bool((m[5 * B:6 * B] != 0).all())            # inverse overflow
     assert (mc[7 * B:8 * B] != 0).any() and torch.isfinite(torch.tensor(C.M8_LEVELS) / ms[7])
     assert bool((v[5 * B:6 * B] < 1.2e-38).all()) and (vc[5 * B:6 * B] != 0).any()      # subnormal v codes
-    y_sub = sqrt_rn(sqrt_rn(v[6 * B + 10:6 * B + 20])) * (torch.tensor(C.V8_LEVELS) / vs[6])
-    assert bool(((y_sub > 0) & (y_sub < 0.5)).all()) and (vc[6 * B + 10:6 * B + 20] == 1).all()   # raised
+    assert bool((_v8_unclamped(v[6 * B + 10:6 * B + 20], vs[6]) < 1).all()) and (vc[6 * B + 10:6 * B + 20] == 1).all()
     assert vc[-37:].max() == 255 and mc[-37:].view(torch.int8).abs().max() == 127      # partial block coded
     # Ties: blocks 0 and 1 of m are exact ties (round half away from zero would code them differently); v's
-    # block 0 runs through every code; the random v blocks hold elements raised from 0 to 1 and elements a
-    # square-root code would code differently.
+    # block 0 runs through every code; the random v blocks hold elements raised to 1 and elements a linear
+    # code of sqrt(v) would code differently.
     for blk in (0, 1):
         y = m[blk * B:(blk + 1) * B] * (torch.tensor(C.M8_LEVELS) / ms[blk])
         assert int((y - torch.floor(y) == 0.5).sum()) == B - 2
         assert not torch.equal(_round_half_away(y).to(torch.int8).view(U8), mc[blk * B:(blk + 1) * B])
     assert vc[:B].tolist() == list(range(B))
-    yv = sqrt_rn(sqrt_rn(v[8 * B:10 * B])) * (torch.tensor(C.V8_LEVELS) / vs[8:10]).repeat_interleave(B)
-    raised = (yv > 0) & (yv < 0.5)
+    yv = _v8_unclamped(v[8 * B:10 * B], vs[8:10].repeat_interleave(B))
+    raised = (v[8 * B:10 * B] > 0) & (yv < 1)
     assert bool(raised.any()) and bool((vc[8 * B:10 * B][raised] == 1).all())
     assert not torch.equal(wrong_v8_sqrt(v[8 * B:10 * B])[0], vc[8 * B:10 * B])
 
 
 def test_codec_device_functions_on_random_blocks_and_decode_edge_scales():
     """Random blocks over 40 decades (many full and partial tiles), and every code decoded under scales 0,
-    NaN, inf, the smallest subnormal, subnormal, 1 and FLT_MAX (d^4 overflows to inf)."""
+    NaN, inf, the smallest subnormal, subnormal, 1 and FLT_MAX (s'^2 overflows to inf)."""
     g = torch.Generator().manual_seed(12)
     n = 13 * C.BLOCK + 201
     mag = 10.0 ** torch.randint(-20, 20, (n // C.BLOCK + 1,), generator=g).float()
     m = torch.randn(n, generator=g) * mag.repeat_interleave(C.BLOCK)[:n]
-    v = torch.rand(n, generator=g) * mag.repeat_interleave(C.BLOCK)[:n] ** 2
+    v = torch.rand(n, generator=g) ** 8 * mag.repeat_interleave(C.BLOCK)[:n] ** 2   # sqrt(v) over octaves
     mc, ms, vc, vs = triton_encode(m, v)
     assert torch.equal(mc, C.encode_m8(m)[0]) and torch.equal(bits(ms), bits(C.encode_m8(m)[1]))
     assert torch.equal(vc, C.encode_v8(v)[0]) and torch.equal(bits(vs), bits(C.encode_v8(v)[1]))

@@ -187,22 +187,28 @@ def check_m8(x, codes, scale):
 
 
 def check_v8(x, codes, scale):
-    """As check_m8 for exp_avg_sq: codes of x^(1/4) on 255 levels, nearest, a nonzero x never code 0."""
+    """As check_m8 for exp_avg_sq: log codes of s = sqrt(x), 16 per octave below the block's max s (code 255
+    - 16k is scale / 2^k exactly), nearest on the float bits, a nonzero x never code 0; decoded v = s'^2."""
     n, nb = x.numel(), -(-x.numel() // C.BLOCK)
     assert codes.dtype == U8 and codes.shape == x.shape and scale.shape == (nb,)
-    r = x.reshape(-1).double().sqrt().sqrt()
-    want = torch.stack([r[i * C.BLOCK:(i + 1) * C.BLOCK].max() for i in range(nb)]).float()
-    assert bool(((scale.double() - want.double()).abs() <= 2**-23 * want.double()).all()), \
-        "block scale is not the block's max v^(1/4)"     # two correctly rounded fp32 sqrts: within 1 ulp
-    s = scale.double().repeat_interleave(C.BLOCK)[:n]
-    y = torch.where(s == 0, 0.0, 255 * r / s)
-    c = codes.reshape(-1).double()
-    near = (c - y).abs() <= 0.5 + 1e-5
-    assert bool((near | ((c == 1) & (y < 0.5) & (r > 0))).all()), "codes are not the nearest integer of 255 v^(1/4) / scale"
-    assert bool(((c > 0) | (r == 0)).all()), "a nonzero v took code 0"
-    dq = C.decode_v8(codes, scale).reshape(-1).double()
-    tol = torch.where(c == 1, 1.00001 * s / 255, (0.5 + 1e-5) * s / 255) + 1e-7 * r   # code 1: one step (raised)
-    assert bool(((dq.sqrt().sqrt() - r).abs() <= tol).all()), "decoded off by > half a step"
+    s = x.reshape(-1).double().sqrt().float()          # double then fp32: the correctly rounded fp32 sqrt
+    want = torch.stack([s[i * C.BLOCK:(i + 1) * C.BLOCK].max() for i in range(nb)])
+    assert torch.equal(scale, want), "block scale is not the block's max sqrt(v)"
+    c = codes.reshape(-1).long()
+    assert bool(((c > 0) | (s == 0)).all()), "a nonzero v took code 0"
+    assert bool((c[s == 0] == 0).all()), "v = 0 did not take code 0"
+    dq = C.decode_v8(codes, scale).reshape(-1)
+    sd = dq.double().sqrt().float()                     # s' (exact: dq = s' * s' rounded, s' its sqrt)
+    sc = scale.repeat_interleave(C.BLOCK)[:n]
+    octave = (c > 0) & ((255 - c) % 16 == 0)
+    assert torch.equal(sd[octave].double(), sc[octave].double() * 2.0 ** (-((255 - c[octave]) // 16)).double()), \
+        "code 255 - 16k does not decode to scale / 2^k"
+    bs, bd = s.view(torch.int32).long(), sd.view(torch.int32).long()
+    inner = (c > 1) & (s > 0)
+    assert bool(((bs - bd).abs()[inner] <= 2**18).all()), "codes are not the nearest log step of sqrt(v)"
+    assert bool((bs[c == 1] <= bd[c == 1] + 2**18).all()), "code 1 holds a v above its step"
+    rel = ((sd.double() - s.double()).abs() / s.double())[inner]
+    assert bool((rel <= 1 / 32 * (1 + 1e-6)).all()), "decoded sqrt(v) off by more than 1/32"
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -214,18 +220,22 @@ def test_m8_v8_match_definition(n):
     codes, scale = C.encode_v8(v)
     check_v8(v, codes, scale)
     if n > C.BLOCK and n % C.BLOCK:                       # the partial last block has its own scale
-        assert float(scale[-1]) == float(C.sqrt_rn(C.sqrt_rn(v[(n // C.BLOCK) * C.BLOCK:].max())))
+        assert float(scale[-1]) == float(C.sqrt_rn(v[(n // C.BLOCK) * C.BLOCK:].max()))
 
 
 def test_m8_v8_ties_round_half_even():
-    """127 x / scale exactly k + 1/2 (x a multiple of 2^-7 of a power-of-two scale... scale 127 makes
-    y = x): ties go to the even integer, both codes."""
+    """127 x / scale exactly k + 1/2 (scale 127 makes y = x): m's ties go to the even integer; v's log code
+    rounds a tie up."""
     x = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.0])
     codes, _ = C.encode_m8(x)
     assert codes.view(torch.int8).tolist() == [127, 0, 2, 2, 0, -2, -2, 3]
-    s = torch.tensor([255.0, 0.5, 1.5, 2.5, 0.25, 0.0])                  # fourth-root domain: y = s
-    codes, _ = C.encode_v8((s * s) * (s * s))
-    assert codes.tolist() == [255, 1, 2, 2, 1, 0]                          # 0.5 -> 0 -> raised to 1; 0.25 -> 1
+    # v: sqrt(v) a half step (2^18 in the bits) below a code ties up; s = s'^2 round-trips exactly.
+    one = 0x3F800000
+    sb = torch.tensor([one, one - 2**18, one - 3 * 2**18, one - 2**18 - 1, one - 240 * 2**19, one - 256 * 2**19, 0],
+                      dtype=torch.int32)
+    s = sb.view(torch.float32)
+    codes, _ = C.encode_v8(s * s)
+    assert codes.tolist() == [255, 255, 254, 254, 15, 1, 0]     # 2^-15 -> 15; 2^-16 -> -1, raised to 1
 
 
 def test_m8_v8_negative_controls():
@@ -240,14 +250,22 @@ def test_m8_v8_negative_controls():
     with pytest.raises(AssertionError, match="nearest"):
         check_m8(x, bad, scale)
     v = x * x * torch.logspace(-8, 0, 1000)
-    v[::7] *= 1e-14                                   # below (1/510)^4 of their block's max: round to 0
+    v[::7] *= 1e-14                                   # below 16 octaves of sqrt(v) under their block's max: raised
     codes, scale = C.encode_v8(v)
     check_v8(v, codes, scale)
-    y = 255 * C.sqrt_rn(C.sqrt_rn(v)) / scale.repeat_interleave(C.BLOCK)[:1000]
+    with pytest.raises(AssertionError, match="max sqrt"):
+        check_v8(v, codes, scale * 1.01)
+    c = codes.long()
+    with pytest.raises(AssertionError, match="nearest"):                    # one code off
+        check_v8(v, torch.where((c > 1) & (c < 255), c + 1, c).to(U8), scale)
+    sb = C.sqrt_rn(v).view(torch.int32).long()
+    top = (255 << 19) - scale.view(torch.int32).long().repeat_interleave(C.BLOCK)[:1000]
+    trunc = torch.clamp((sb + top) >> 19, min=1)                               # rounded down, not to nearest
     with pytest.raises(AssertionError, match="nearest"):
-        check_v8(v, torch.ceil(y).clamp(max=255).to(U8), scale)
+        check_v8(v, torch.where(v > 0, trunc, 0).to(U8), scale)
+    unraised = torch.clamp((sb + top + 2**18) >> 19, min=0)
     with pytest.raises(AssertionError, match="code 0"):
-        check_v8(v, torch.round(y).to(U8), scale)
+        check_v8(v, unraised.to(U8), scale)
 
 
 def test_m8_v8_zero_nan_inf_and_tiny_blocks():
@@ -262,7 +280,7 @@ def test_m8_v8_zero_nan_inf_and_tiny_blocks():
         assert bool(torch.isnan(dq[256:768]).all())                         # a NaN or inf poisons its block, only
         if enc is C.encode_m8:                                              # 127 / 1e-45 overflows: all codes 0
             assert torch.equal(codes[768:1024], torch.zeros(256, dtype=U8))
-        else:                                                               # (1e-45)^(1/4) is not tiny
+        else:                                                               # sqrt(1e-45) is normal: code 255
             assert int(codes[900]) == 255 and float(dq[900]) > 0
         assert float(dq[1050]) > 0 and bool(torch.isfinite(dq[1024:]).all())
 

@@ -98,6 +98,42 @@ def test_fp16_master_layout_with_l2_and_maximize():
     check("fp16+master", BF, U8, hp="l2+max", steps=4, sizes=[255, 256, 257, 1000])
 
 
+def _tie_masters(n, seed):
+    """fp32 masters whose low 16 bits are mostly exact bf16 ties (0x8000) of both parities and signs, their
+    neighbours (0x7FFF, 0x8001), 0 and 0xFFFF, plus NaN, +-inf, the largest float and -0."""
+    g = torch.Generator().manual_seed(seed)
+    hi = torch.randint(0x3000, 0x4F00, (n,), generator=g, dtype=torch.int64)
+    hi = torch.where(torch.rand(n, generator=g) < 0.5, hi, hi | 0x8000)
+    lows = torch.tensor([0x8000, 0x8000, 0x8000, 0x7FFF, 0x8001, 0x0000, 0xFFFF])
+    b = (hi << 16) | lows[torch.randint(0, 7, (n,), generator=g)]
+    b[:6] = torch.tensor([0x7FC00000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x80000000, 0x7F7F8000])
+    return (b - ((b & 0x80000000) << 1)).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("n", [32, 257, 1000, 4133])
+def test_remainder_split_on_ties_and_special_values(n):
+    """The remainder join / split (16-bit lanes on AVX-512) equals split_remainder on exact ties, their
+    neighbours and special values: lr = 0 and no weight decay keep each master as it is, so the split sees
+    the crafted bits (a NaN master poisons its own block's moments, as in the reference). A tie under an
+    even bf16 is stored 0x7FFF below itself, so only an update makes one reach the split (the random
+    gradients of the tests above do); ties under an odd one (rounded up) reach it here."""
+    hp = dict(lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
+    runs = []
+    for _ in range(2):
+        master = _tie_masters(n, 5 + n)
+        p = master.to(BF)
+        st = C.init_coded_state(p, exp_avg_dtype=U8, exp_avg_sq_dtype=U8, store_param_remainders=True)
+        p.copy_(C.split_remainder(master)[0])
+        st["master_remainder"].copy_(C.split_remainder(master)[1])
+        runs.append(([p], [st]))
+    assert int(((runs[0][1][0]["master_remainder"] == 0x7FFF)).sum()) > n // 8      # ties rounded down are present
+    for t in range(2):
+        gs = grads_for(3, t, runs[0][0], BF)
+        kernel_step(runs[0][0], gs, runs[0][1], [0], hp)
+        reference_step(runs[1][0], gs, runs[1][1], [0], hp)
+    assert_equal(runs[0][0], runs[0][1], runs[1][0], runs[1][1])
+
+
 def test_grad_scale_and_found_inf():
     ps, states = check("remainder", U8, BF, steps=2, sizes=[300, 1025], grad_scale=torch.tensor([0.25]))
     before = [p.clone() for p in ps], [{k: v.clone() for k, v in s.items() if k != "step"} for s in states]
@@ -109,7 +145,8 @@ def test_grad_scale_and_found_inf():
 
 
 @pytest.mark.parametrize("layout,m_dtype,v_dtype", [("remainder", U8, U8), ("remainder", BF, F8), ("fp32", F8, BF),
-                                                    ("bf16+master", U8, F8), ("fp32", F32, U8)])
+                                                    ("bf16+master", U8, F8), ("fp32", F32, U8),
+                                                    ("bf16+master", U8, U8)])
 def test_nan_and_inf_gradients(layout, m_dtype, v_dtype):
     """A NaN gradient poisons its element (and its 8-bit / fp8 block), infinities theirs, over two steps (the
     poisoned codes are decoded again): every state bit as the reference. Only the NaN payload of a 16-bit

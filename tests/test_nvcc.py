@@ -268,11 +268,12 @@ def _ptx_entries(ptx: str, entry: re.Pattern) -> dict[str, tuple[tuple[int, ...]
 @pytest.mark.parametrize("arch", ARCHS)
 def test_coded_kernel_ptx_has_arithmetic_8bit_codes(arch, compiles):
     """The 8-bit moment codes are arithmetic (codecs.encode_m8 / encode_v8), with the right code for each
-    moment: both encodes round half to even into an integer (``cvt.rni.s32.f32``), the exp_avg_sq one of v^(1/4),
-    a second ``sqrt.rn.f32`` after the denominator's; a kernel with a uint8 moment has the rounding, one without
-    has none, and a uint8 exp_avg_sq adds the square root. And no kernel gathers from a code book:
-    its only scalar fp32 global loads are the 3 coefficients, the grad scale and one block scale per blockwise
-    moment (a table decode adds one per element, a midpoint search 8 per element)."""
+    moment: exp_avg's rounds half to even into an integer (``cvt.rni.s32.f32``), exp_avg_sq's is a log code on
+    the bits of the denominator's own sqrt(v) (an arithmetic shift ``shr.s32`` by 19, no second square root): a
+    kernel with a uint8 exp_avg has the rounding, one without has none; a uint8 exp_avg_sq has the shift and as
+    many ``sqrt.rn.f32`` as the fp32 one. And no kernel gathers from a code book: its only scalar fp32 global
+    loads are the 3 coefficients, the grad scale and one block scale per blockwise moment (a table decode adds
+    one per element, a midpoint search 8 per element)."""
     name = "cuda_adam_coded_kernel.cuh"
     entries = _ptx_entries(_ptx(name, arch, compiles), _CODED_ENTRY)
     assert len(entries) == 32, f"{name} sm_{arch}: expected 32 coded kernels in the PTX, found {len(entries)}"
@@ -281,13 +282,13 @@ def test_coded_kernel_ptx_has_arithmetic_8bit_codes(arch, compiles):
     plain = {(mk, m): count(body) for (mk, m, v), body in entries.values() if v == 0}   # fp32 exp_avg_sq
     for (mk, m, v), body in sorted(entries.values()):
         rni = len(re.findall(r"\bcvt\.rni\.s32\.f32\b", body))
+        shifts = len(re.findall(r"\bshr\.s32\s+%r\d+,\s*%r\d+,\s*19;", body))
         sqrts = count(body)
         f32_loads = len(_SCALAR_F32_LOAD.findall(body))
         most = 4 + (m in (_U8, _F8)) + (v in (_U8, _F8))
-        want_sqrts = plain[mk, m] * (2 if v == _U8 else 1)        # the denominator's, and v's second root
-        if (rni > 0) != (_U8 in (m, v)) or sqrts != want_sqrts or f32_loads > most:
-            bad.append(f"  <master {mk}, exp_avg {m}, exp_avg_sq {v}>: cvt.rni.s32.f32 x{rni}, "
-                       f"sqrt.rn.f32 x{sqrts} (want {want_sqrts}), scalar fp32 loads {f32_loads} (at most {most})")
+        if (rni > 0) != (m == _U8) or (shifts > 0) != (v == _U8) or sqrts != plain[mk, m] or f32_loads > most:
+            bad.append(f"  <master {mk}, exp_avg {m}, exp_avg_sq {v}>: cvt.rni.s32.f32 x{rni}, shr.s32 19 x{shifts}, "
+                       f"sqrt.rn.f32 x{sqrts} (want {plain[mk, m]}), scalar fp32 loads {f32_loads} (at most {most})")
     print(f"\n{name} sm_{arch}: {len(entries)} coded kernels, 8-bit codes checked")
-    assert not bad, (f"{name} sm_{arch}: want cvt.rni.s32.f32 iff a moment is uint8, a second sqrt iff "
-                     "exp_avg_sq is uint8, no code-book loads:\n" + "\n".join(bad))
+    assert not bad, (f"{name} sm_{arch}: want cvt.rni.s32.f32 iff exp_avg is uint8, shr.s32 19 iff exp_avg_sq is "
+                     "uint8, no second sqrt, no code-book loads:\n" + "\n".join(bad))

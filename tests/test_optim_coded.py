@@ -254,6 +254,25 @@ def test_state_dict_round_trip_resumes_bit_for_bit(backend):
         assert all(torch.equal(bits(oa.state[p][k]), bits(oc.state[q][k])) for k in oa.state[p])
 
 
+def test_state_dict_names_its_8bit_code_and_load_checks_it():
+    """uint8 codes carry no trace of the code that made them: state_dict() names it ("u8_code"), and a state
+    dict with uint8 moments but no tag (an earlier build's) or another one raises before anything changes."""
+    f = FORMATS["8bit+rem"]
+    a = params_of(12, BF)
+    o = opt_run(a, HP[0], 2, 13, "reference", f)
+    sd = o.state_dict()
+    assert sd["u8_code"] == C.U8_CODE
+    assert "u8_code" not in opt_run(params_of(12, BF), HP[0], 2, 13, "reference", {}).state_dict()
+    before = [{k: v.clone() for k, v in o.state[p].items()} for p in a]
+    untagged = {k: v for k, v in sd.items() if k != "u8_code"}
+    for bad, msg in ((untagged, "no code tag"), ({**sd, "u8_code": "v8-fourth-root"}, "'v8-fourth-root'")):
+        for target in (o, make(params_of(12, BF), HP[0], "reference")):      # coded and fp32 optimizers alike
+            with pytest.raises(ValueError, match=msg):
+                target.load_state_dict(bad)
+    assert all(torch.equal(bits(v), bits(o.state[p][k])) for p, st in zip(a, before) for k, v in st.items())
+    o.load_state_dict(sd)                                 # the tagged one loads
+
+
 def test_fp32_checkpoint_into_coded_optimizer_converts_as_the_codecs_define():
     a = params_of(10, BF)
     o32 = opt_run(a, HP[0], 3, 11, "reference", {})

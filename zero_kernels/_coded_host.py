@@ -74,8 +74,11 @@ def prepare(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Te
     step_i = steps.to(torch.int64)
     offs = torch.zeros_like(seed_t) if index_offsets is None else \
         torch.tensor(index_offsets, dtype=torch.int64, device=device)
-    keys = torch.stack([codecs.sr_key(seed_t, step_i, 0), codecs.sr_key(seed_t, step_i, 1), offs],
-                       dim=1).contiguous()
+    if any(s[k].dtype == torch.bfloat16 for s in states for k in ("exp_avg", "exp_avg_sq")):
+        keys = torch.stack([codecs.sr_key(seed_t, step_i, 0), codecs.sr_key(seed_t, step_i, 1), offs], dim=1)
+    else:                                      # no stochastic rounding: the kernels do not read the keys
+        keys = torch.stack([torch.zeros_like(offs), torch.zeros_like(offs), offs], dim=1)
+    keys = keys.contiguous()
     step = CodedStep([], coeffs, keys, {})
     for i, (p, g, s) in enumerate(zip(params, grads, states)):
         if not p.is_contiguous():

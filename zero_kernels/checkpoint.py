@@ -78,9 +78,10 @@ from typing import Any, Callable
 
 import torch
 
+from . import codecs
 from .checkpoint_format import (FORMAT, FORMAT_VERSION, CheckpointError, Shards, atomic_write, canonical,
-                                check_numels, fsync_dir, json_bytes, load_small, new_version, prune,
-                                read_metadata, resolve, shard_name, versions)
+                                check_numels, check_state_codes, fsync_dir, json_bytes, load_small, new_version,
+                                prune, read_metadata, resolve, shard_name, versions)
 from .checkpoint_tools import check_fit, consolidate, inspect, main
 from .layout import Layout, dtype_name
 from .state_keys import keyed_state
@@ -187,9 +188,13 @@ _FP32_STATES = {"exp_avg_dtype": "float32", "exp_avg_sq_dtype": "float32", "stor
 
 
 def _state_format(opt) -> dict:
+    """The format names of metadata.json; with uint8 moments, their code (codecs.U8_CODE) as ``u8_code``."""
     fmt = opt.config.state_format
-    return {"exp_avg_dtype": dtype_name(fmt.exp_avg_dtype), "exp_avg_sq_dtype": dtype_name(fmt.exp_avg_sq_dtype),
-            "store_param_remainders": bool(fmt.store_param_remainders)}
+    out = {"exp_avg_dtype": dtype_name(fmt.exp_avg_dtype), "exp_avg_sq_dtype": dtype_name(fmt.exp_avg_sq_dtype),
+           "store_param_remainders": bool(fmt.store_param_remainders)}
+    if torch.uint8 in (fmt.exp_avg_dtype, fmt.exp_avg_sq_dtype):
+        out["u8_code"] = codecs.U8_CODE
+    return out
 
 
 def _shard_numels(opt) -> dict[str, int]:
@@ -384,6 +389,7 @@ def _stage_load(opt, path, verify):
     vdir = resolve(path)
     marker, meta = read_metadata(vdir)
     meta_path = os.path.join(vdir, "metadata.json")
+    check_state_codes(meta, meta_path)
     match = check_fit(opt, meta, meta_path)
     saved = Layout.from_dict(meta["layout"])
     steps = [int(meta["params"][match[p.index].index]["step"]) for p in opt.layout.params]

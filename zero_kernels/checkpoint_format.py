@@ -40,6 +40,7 @@ from .layout import Layout
 from .state_keys import canonical_names
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "OWNER_FILE", "CheckpointError", "shard_name", "safe_join", "versions",
+           "check_state_codes",
            "check_root", "new_version", "prune", "resolve", "read_metadata", "validate_layout", "load_small",
            "check_numels", "Shards", "sha256_file", "fsync_dir", "json_bytes", "atomic_write", "saved_layout",
            "canonical", "param_names"]
@@ -222,6 +223,16 @@ def _check_format(d: dict, where: str) -> None:
         d = d if isinstance(d, dict) else {}
         raise CheckpointError(f"{where}: format {d.get('format')!r} version {d.get('format_version')!r} "
                               f"is not supported (this build reads {FORMAT!r} version {FORMAT_VERSION})")
+
+
+def check_state_codes(meta: dict, where: str) -> None:
+    """CheckpointError unless the checkpoint's uint8 moment codes (if any) are this build's
+    (``state_format.u8_code`` == codecs.U8_CODE): checked before any shard is decoded."""
+    fmt = meta.get("state_format") or {}
+    if "uint8" in (fmt.get("exp_avg_dtype"), fmt.get("exp_avg_sq_dtype")):
+        why = codecs.u8_code_problem(fmt.get("u8_code"))
+        if why is not None:
+            raise CheckpointError(f"{where}: {why}")
 
 
 def read_metadata(vdir: str) -> tuple[dict, dict]:

@@ -12,8 +12,8 @@ import sys
 
 import torch
 
-from .checkpoint_format import (CheckpointError, Shards, atomic_write, canonical, load_small, param_names,
-                                read_metadata, resolve, saved_layout)
+from .checkpoint_format import (CheckpointError, Shards, atomic_write, canonical, check_state_codes, load_small,
+                                param_names, read_metadata, resolve, saved_layout)
 from .state_keys import canonical_names
 
 __all__ = ["consolidate", "inspect", "match_params", "check_fit", "main"]
@@ -87,6 +87,7 @@ def consolidate(path, out: str | None = None, verify: bool = True) -> dict:
     trainable parameters (``param_names`` lists them), "param_names", "metadata"}."""
     vdir = resolve(path)
     marker, meta = read_metadata(vdir)
+    check_state_codes(meta, os.path.join(vdir, "metadata.json"))
     lay = saved_layout(meta, os.path.join(vdir, "metadata.json"))
     keys = ["master", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if meta.get("amsgrad_state") else [])
     full = _full_states(vdir, marker, meta, lay, keys, verify)

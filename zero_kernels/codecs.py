@@ -30,22 +30,29 @@ Integer arithmetic below is on uint32 (wrapping); here it runs on int64 tensors 
                     inv   = 127 / scale, replaced by 0 unless finite (scale 0, inf, NaN, tiny)
                     code  = round_half_even(m * inv) in [-127, 127], stored as int8 bits; 0 where inv == 0
                     m'    = float(code) * (scale / 127)
-       v (unsigned, coded in the fourth-root domain):
-                    r     = sqrt(sqrt(v))   (correctly rounded sqrts; the step computes the inner one)
-                    scale = max r over the block
-                    inv   = 255 / scale, replaced by 0 unless finite
-                    code  = round_half_even(r * inv) in [0, 255], raised to 1 where r > 0;
-                            0 where inv == 0
-                    v'    = (d * d) * (d * d)  with  d = float(code) * (scale / 255)
+       v (unsigned, a log code of s = sqrt(v) on its float bits, 16 steps per octave):
+                    s     = sqrt(v)   (correctly rounded: the step's own square root, nothing more)
+                    scale = max s over the block
+                    code  = ((bits(s) + 255 * 2^19 + 2^18 - bits(scale)) >> 19, arithmetic), at least 1,
+                            in [1, 255] (255 at s = scale); 0 where s == 0 or scale is not finite
+                    s'    = float_from_bits((code << 19) + bits(scale) - 255 * 2^19), 0 where code == 0,
+                            NaN everywhere if scale is not finite
+                    v'    = s' * s'
+                    (integer arithmetic on the int32 bit patterns; code 255 - 16k is scale / 2^k exactly)
 
    The scale is the absmax of the bits (every NaN above +inf; a NaN scale is the canonical 0x7FC00000),
    so a block holding a NaN or inf decodes to NaN everywhere, as the fp32 state would be poisoned.
    Why these codes (bench/quality_states.py, final loss at 400 steps, seeds 0 / 1): a linear code for
-   v diverges (small v quantize to 0, then m / (0 + eps) explodes). The fourth root spends the 256
-   levels on 9.6 decades of v with the precision of the dynamic map where it matters (0.4% of sqrt(v)
-   at the top of a block, like bitsandbytes' 0.2%); the square root (4.8 decades) lost small-v
-   elements (4.4763 / 4.4770 against fp32 AdamW's 4.4762 / 4.4753; fourth root 4.4754 / 4.4760).
-   A nonzero v never decodes to 0, so no Adam denominator collapses to eps. Rounding UP (a decoded v
+   v diverges (small v quantize to 0, then m / (0 + eps) explodes). A linear code of sqrt(v) (4.8
+   decades of v) lost small-v elements (4.4763 / 4.4770 against fp32 AdamW's 4.4762 / 4.4753); a linear
+   code of v^(1/4) (9.6 decades, the previous code: 4.4754 / 4.4760) needed a second square root per
+   element, the costliest operation of the CPU step after the update's own sqrt and divisions. The log
+   code spans the same 9.6 decades of v (16 octaves of s; below them a nonzero v takes code 1) with a
+   rounding error of at most 1/32 of s everywhere (a linear code is finer only near the top of its block),
+   costs an add, a shift and a clamp, and trains better: 4.4743 / 4.4693 (bitsandbytes 4.4758 / 4.4746,
+   torchao 4.4756 / 4.4735).
+   A nonzero v never decodes to 0 (short of fp32 underflow of s' * s', below 1e-45), so no Adam
+   denominator collapses to eps. Rounding UP (a decoded v
    never below the true one) looked safer but slowed training (+0.9%): the bias shrinks every small-v
    element's step. The
    table codes of bitsandbytes / torchao (their dynamic map) reach the same final loss but cost a
@@ -101,9 +108,10 @@ from .reference import compute_coeffs, fused_adam_ref, sqrt_rn
 __all__ = [
     "BLOCK", "M32", "fmix32", "sr_key", "sr_bits", "encode_bf16_sr", "encode_bf16_rne",
     "dynamic_map", "CODE_BOOKS", "midpoints", "scaled_blocks", "encode_q8", "decode_q8",
-    "M8_LEVELS", "V8_LEVELS", "block_absmax", "encode_m8", "decode_m8", "encode_v8", "decode_v8",
+    "M8_LEVELS", "V8_LEVELS", "V8_STEP_BITS", "block_absmax", "encode_m8", "decode_m8", "encode_v8", "decode_v8",
     "F8_MAX", "encode_f8", "decode_f8",
     "split_remainder", "join_remainder", "remainder_is_lossy",
+    "U8_CODE", "holds_u8_moments", "u8_code_problem",
     "state_layout", "init_coded_state", "state_nbytes", "decode_moment", "encode_moment", "adam_step_coded", "MOMENT_DTYPES",
     "BLOCKWISE",
 ]
@@ -225,7 +233,7 @@ def decode_q8(codes: Tensor, scale: Tensor, table: Tensor) -> Tensor:
 
 # ---------------------------------------------------------------- 8-bit blockwise moments (Note 2)
 M8_LEVELS = 127.0      # exp_avg: codes -127..127 (int8 bits)
-V8_LEVELS = 255.0      # exp_avg_sq: codes 0..255 of v^(1/4)
+V8_LEVELS = 255.0      # exp_avg_sq: codes 0..255 (the log code of sqrt(v): 255 at the block's max)
 _FLT_MAX = 3.4028234663852886e38
 
 
@@ -262,20 +270,33 @@ def decode_m8(codes: Tensor, scale: Tensor) -> Tensor:
     return (codes.reshape(-1).view(torch.int8).float() * _step(scale, M8_LEVELS, n)).view(codes.shape)
 
 
+V8_STEP_BITS = 19          # one v code step = 2^19 in the bits of sqrt(v): 16 steps per octave
+_V8_TOP = 255              # the top code (V8_LEVELS)
+
+
+def _v8_bits(x: Tensor) -> Tensor:
+    """fp32 bit patterns as int64 (signed int32 values)."""
+    return x.contiguous().view(torch.int32).to(torch.int64)
+
+
 def encode_v8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """exp_avg_sq fp32 -> (uint8 codes of x^(1/4), shaped like x; fp32 block scales of x^(1/4))."""
-    sb, scale = block_absmax(sqrt_rn(sqrt_rn(x.float())))    # correctly rounded, as the step's own sqrt
-    inv = _inverse(scale, V8_LEVELS)[:, None]
-    code = torch.round(sb * inv)                                  # <= 255: r <= scale
-    code = torch.where(inv == 0, 0.0, torch.where(sb > 0, torch.clamp(code, min=1.0), code)).to(torch.uint8)
+    """exp_avg_sq fp32 -> (uint8 log codes of sqrt(v), shaped like x; fp32 block scales = max sqrt(v))."""
+    sb, scale = block_absmax(sqrt_rn(x.float()))                  # correctly rounded: the step's own sqrt
+    finite = (scale.abs() <= _FLT_MAX)[:, None]
+    k = (_V8_TOP << V8_STEP_BITS) + (1 << (V8_STEP_BITS - 1)) - _v8_bits(scale)[:, None]
+    code = torch.clamp((_v8_bits(sb) + k) >> V8_STEP_BITS, min=1)    # <= 255: s <= scale
+    code = torch.where(finite & (sb != 0), code, 0).to(torch.uint8)
     return code.reshape(-1)[: x.numel()].view(x.shape), scale
 
 
 def decode_v8(codes: Tensor, scale: Tensor) -> Tensor:
-    """(uint8 codes, fp32 block scales of v^(1/4)) -> fp32 exp_avg_sq shaped like codes."""
-    d = codes.reshape(-1).float() * _step(scale, V8_LEVELS, codes.numel())
-    d2 = d * d
-    return (d2 * d2).view(codes.shape)
+    """(uint8 log codes, fp32 block scales = max sqrt(v)) -> fp32 exp_avg_sq shaped like codes."""
+    n = codes.numel()
+    c = codes.reshape(-1).to(torch.int64)
+    base = (_v8_bits(scale) - (_V8_TOP << V8_STEP_BITS)).repeat_interleave(BLOCK)[:n]
+    s = torch.where(c == 0, 0, (c << V8_STEP_BITS) + base).to(torch.int32).view(torch.float32)
+    s = torch.where((scale.abs() <= _FLT_MAX).repeat_interleave(BLOCK)[:n], s, float("nan"))
+    return (s * s).view(codes.shape)
 
 
 F8_MAX = 448.0
@@ -319,6 +340,28 @@ def remainder_is_lossy(master: Tensor) -> Tensor:
 
 # ---------------------------------------------------------------- coded Adam state and the reference step
 MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.uint8, torch.float8_e4m3fn)
+
+# The 8-bit codes of Note 2 by name, saved beside every state dict and checkpoint that holds uint8 moments
+# (``"u8_code"``) and checked before any is decoded: uint8 codes carry no trace of the code that made them,
+# and an earlier build's (untagged: v^(1/4) in 255 linear steps) would decode to wrong moments silently.
+U8_CODE = "m8-linear127/v8-log16"
+
+
+def holds_u8_moments(states) -> bool:
+    """Whether any state dict in ``states`` (an iterable of {key: tensor}) holds uint8 moment codes."""
+    return any(isinstance(st.get(k), Tensor) and st[k].dtype == torch.uint8
+               for st in states for k in ("exp_avg", "exp_avg_sq"))
+
+
+def u8_code_problem(tag) -> str | None:
+    """None if ``tag`` (the saved ``"u8_code"``, None when absent) names this build's 8-bit codes, else why
+    the saved codes cannot be decoded here and what to do."""
+    if tag == U8_CODE:
+        return None
+    what = "carry no code tag (saved by a zero_kernels build before the tag)" if tag is None else f"are {tag!r}"
+    return (f"its uint8 moment codes {what}, but this build decodes {U8_CODE!r} ([Note: state codecs] 2) and would "
+            "read them as wrong moments; load it with the build that saved it into an optimizer with fp32 states "
+            "(exp_avg_dtype=exp_avg_sq_dtype=torch.float32) and save again, which this build loads and converts")
 BLOCKWISE = (torch.uint8, torch.float8_e4m3fn)
 _ROUNDINGS = {"stochastic": encode_bf16_sr, "nearest": encode_bf16_rne}
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from . import backends, optim_coded
+from . import backends, codecs, optim_coded
 from ._launch_plan import GroupPlan, Launch, is_low_precision, local, packed_steps, signature, state_error
 from ._traced_step import TracedStep
 from .codecs import BLOCK
@@ -169,6 +169,14 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
             group.setdefault("decoupled_weight_decay", self._decoupled_default)
             for dev in {p.device for p in group["params"]}:
                 self._resolve(dev)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, plus ``"u8_code"`` (codecs.U8_CODE) when a state holds uint8 moment codes: the
+        code they are in, checked by load_state_dict before anything is decoded."""
+        sd = super().state_dict()
+        if codecs.holds_u8_moments(sd["state"].values()):
+            sd["u8_code"] = codecs.U8_CODE
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, after checking every saved state tensor against its parameter's shape

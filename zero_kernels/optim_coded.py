@@ -8,7 +8,7 @@ tensors only (``torch.load(weights_only=True)`` reads them), laid out by ``codec
     step                fp32 0-d, on the parameter's device
     exp_avg             fp32 | bf16 | uint8 codes | float8_e4m3fn codes, shaped like the parameter
     exp_avg_scale       fp32 [ceil(numel / 256)] block scales; only with uint8 / float8_e4m3fn codes
-    exp_avg_sq          as exp_avg (uint8: unsigned codes of v^(1/4))
+    exp_avg_sq          as exp_avg (uint8: unsigned log codes of sqrt(v))
     exp_avg_sq_scale    as exp_avg_scale
     master_param        fp32 master of a 16-bit parameter, or
     master_remainder    int16 remainder of a bf16 parameter (store_param_remainders=True)
@@ -158,6 +158,10 @@ def convert_state_dict(state_dict: dict[str, Any], param_groups: list[dict], fmt
     """``state_dict`` with every saved state in ``fmt`` (a new dict; the caller's is not modified). An fp32
     optimizer (``fmt`` not coded) converts only saved coded states. Raises ValueError before anything is loaded."""
     saved = state_dict["state"]
+    if codecs.holds_u8_moments(st for st in saved.values() if isinstance(st, dict)):
+        why = codecs.u8_code_problem(state_dict.get("u8_code"))
+        if why is not None:
+            raise ValueError(f"state_dict: {why}. Nothing was loaded.")
     ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     params = [p for g in param_groups for p in g["params"]]
     if len(ids) != len(params):

@@ -174,10 +174,10 @@ def test_nan_gradient(backend, fmt):
 
 def _edge_grads(dtype):
     """A first-step gradient whose moments hit the edges of the uint8 codes. With beta1 = 0.5, beta2 = 0.75 and
-    zero initial moments the first step stores m = g / 2 and v = (g / 4) * g, so r = v^(1/4) = sqrt(|g| / 2) up to
-    the roundings of g * g and two square roots. Blocks of 256 (every value exact in bf16 too, except where noted):
+    zero initial moments the first step stores m = g / 2 and v = (g / 4) * g, so s = sqrt(v) = |g| / 2 up to the
+    roundings of g * g and the square root. Blocks of 256 (every value exact in bf16 too, except where noted):
       0  m / scale * 127 = j + 1/2 for j in -127..126: every round-half-even tie (scale 127/8, inverse 8 exactly)
-      1  |g| = j^2 / 32 for j in 0..255 with alternating signs: r * (255 / scale) about j, every v code
+      1  |g| = j^2 / 32 for j in 0..255 with alternating signs: s over 16 octaves below its max, codes 1..255
       2  block 1 times (1 + 2^-20) below its unchanged maximum (fp32 only)
       3  zeros: scale 0, inverse 0, codes 0
       4  m subnormal, |m| <= 1e-38: 127 / scale overflows, inverse 0, codes 0; v underflows to 0
@@ -205,8 +205,8 @@ def _edge_grads(dtype):
 def test_uint8_codes_at_their_edges(backend, master):
     """uint8 exp_avg and exp_avg_sq ([Note: state codecs] 2) from the edge gradient of :func:`_edge_grads`, then two
     ordinary steps that decode those codes (negative int8 codes, zero, inf and NaN scales), bit for bit against the
-    reference: a kernel rounding ties away from zero, coding sqrt(v) instead of v^(1/4), not raising a nonzero v's
-    code to 1, flushing subnormals or keeping a non-canonical NaN scale differs here."""
+    reference: a kernel rounding ties away from zero, coding sqrt(v) linearly instead of its log code, not raising a
+    nonzero v's code to 1, flushing subnormals or keeping a non-canonical NaN scale differs here."""
     backend = _backend(backend)
     dtype, rem = MASTERS[master]
     fmt = dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8, store_param_remainders=rem, min_8bit_size=1)

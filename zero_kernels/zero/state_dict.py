@@ -19,6 +19,7 @@ import warnings
 
 from torch import Tensor, nn
 
+from .. import codecs
 from ..hparams import validate_hparams
 from ..state_keys import keyed_state
 from .buckets import FlatBucket
@@ -35,10 +36,13 @@ SHARD_VERSION = 1
 def shard_state_dict(stage: int, rank: int, world: int, layout: Layout, steps: Sequence[int],
                      param_groups: list[dict], buckets: Sequence[FlatBucket]) -> dict[str, Any]:
     groups = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
-    return {"format": SHARD_FORMAT, "version": SHARD_VERSION, "stage": stage, "rank": rank, "world_size": world,
-            "layout_fingerprint": layout.fingerprint(), "layout": layout.to_dict(), "steps": list(steps),
-            "param_groups": groups,
-            "state": [_stored(b) for b in buckets]}
+    state = [_stored(b) for b in buckets]
+    sd = {"format": SHARD_FORMAT, "version": SHARD_VERSION, "stage": stage, "rank": rank, "world_size": world,
+          "layout_fingerprint": layout.fingerprint(), "layout": layout.to_dict(), "steps": list(steps),
+          "param_groups": groups, "state": state}
+    if codecs.holds_u8_moments(state):
+        sd["u8_code"] = codecs.U8_CODE          # checked by check_shard before any code is decoded
+    return sd
 
 
 def _stored(b: FlatBucket) -> dict[str, Tensor]:
@@ -66,6 +70,10 @@ def check_shard(sd: dict[str, Any], layout: Layout, world: int, rank: int, bucke
     if sd.get("rank") != rank:
         raise ValueError(f"this shard belongs to rank {sd.get('rank')}, but this is rank {rank}: load each "
                          "rank's own shard")
+    if codecs.holds_u8_moments(st for st in sd["state"] if isinstance(st, dict)):
+        why = codecs.u8_code_problem(sd.get("u8_code"))
+        if why is not None:
+            raise ValueError(f"this shard: {why}. Nothing was loaded.")
     for b, st in zip(buckets, sd["state"]):
         if not _same_format(b, st):
             why = saved_problem(st, b.spec.shard_numel, b.amsgrad)
