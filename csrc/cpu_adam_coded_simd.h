@@ -253,39 +253,52 @@ ZK_TGT static void zk_c_block_general(const ZkCJob& j, const ZkCHyper& h, const 
   zk_c_encode(j.v_kind, true, bv, a.v, a.v_scale, j.v_key, idx0);
 }
 
+// Software prefetch, two blocks ahead, of every 64-byte line of an array of ES-byte elements that the
+// STEP elements from i0 begin (the step is compute-heavy per byte: without it the loads of a block wait
+// behind the arithmetic of the last).
+template <int ES, int STEP>
+ZK_TGT static inline void zk_c_prefetch(const void* base, int i0) {
+  constexpr int BYTES = STEP * ES;
+  const char* p = static_cast<const char*>(base) + (2 * ZK_QBLOCK + i0) * ES;
+  if constexpr (BYTES >= 64) {
+    for (int o = 0; o < BYTES; o += 64) __builtin_prefetch(p + o);
+  } else if ((i0 * ES) % 64 == 0) {
+    __builtin_prefetch(p);
+  }
+}
+
 // Both moments 8-bit (the memory-saving layout): one pass decodes, updates and stores the master,
 // keeping the updated m and sqrt(v) in L1 buffers and their running absmax in registers; a second
-// pass over the buffers writes the codes. The next blocks' arrays are prefetched (the step is
-// compute-heavy per byte: without it the loads of a block wait behind the arithmetic of the last).
+// pass over the buffers writes the codes; the next blocks' arrays are prefetched (zk_c_prefetch).
 // With 16-bit lanes (Q::kPair), two vectors share one remainder join and split, or one bf16 rounding.
 // The caller sends a block whose v scale is not finite (its v decodes to NaN) to zk_c_block_general.
 template <int GT, bool L2, bool REM, bool PLAIN>
 ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCArrays& a, int n) {
   alignas(64) float bm[ZK_QBLOCK];
   alignas(64) float bs[ZK_QBLOCK];
-  constexpr int PF = 2 * ZK_QBLOCK;  // prefetch distance: two blocks ahead
   constexpr int STEP = Q::kPair ? 2 * V::W : V::W;   // 16-bit lanes: two vectors share a join / split / bf16
   const bool bf16_pair = !REM && Q::kPair && j.p16_kind == ZK_BF16;
+  // The bf16 copy is write-only here: stream it (no read-for-ownership of its lines) when aligned;
+  // zk_c_blocks fences once per chunk.
+  const bool nt16 = bf16_pair && (reinterpret_cast<uintptr_t>(a.p16) & 63) == 0;
   const uint8_t* mc = static_cast<const uint8_t*>(a.m);
   const uint8_t* vc = static_cast<const uint8_t*>(a.v);
   uint16_t* p16 = static_cast<uint16_t*>(a.p16);
   const Q::F mstep = Q::set1f(*a.m_scale / ZK_M8_LEVELS);
   const Q::I vbase = Q::set1i(zk_f32_bits(*a.v_scale) - ZK_V8_TOP);
   const ZkCConst k = zk_c_const(j, h);
-  const int psize = REM ? 2 : 4;
   Q::I am = Q::set1i(0), as = Q::set1i(0);
   for (int i0 = 0; i0 < ZK_QBLOCK; i0 += STEP) {
-    if ((i0 * 4) % 64 == 0) {  // once per 64 bytes of the widest array
-      __builtin_prefetch(static_cast<const char*>(a.g) + (PF + i0) * j.g_size);
-      __builtin_prefetch((REM ? static_cast<const char*>(a.p16) : reinterpret_cast<const char*>(a.master)) +
-                         (PF + i0) * psize);
-      if (REM) __builtin_prefetch(reinterpret_cast<const char*>(a.rem) + (PF + i0) * 2);
-      else if (a.p16) __builtin_prefetch(static_cast<const char*>(a.p16) + (PF + i0) * 2);
-      if (i0 % 64 == 0) {
-        __builtin_prefetch(mc + PF + i0);
-        __builtin_prefetch(vc + PF + i0);
-      }
+    zk_c_prefetch<GT == ZK_F32 ? 4 : 2, STEP>(a.g, i0);
+    if constexpr (REM) {
+      zk_c_prefetch<2, STEP>(a.p16, i0);
+      zk_c_prefetch<2, STEP>(a.rem, i0);
+    } else {
+      zk_c_prefetch<4, STEP>(a.master, i0);
+      if (a.p16 && !nt16) zk_c_prefetch<2, STEP>(a.p16, i0);
     }
+    zk_c_prefetch<1, STEP>(mc, i0);
+    zk_c_prefetch<1, STEP>(vc, i0);
     V::F px[2];
     if constexpr (REM && Q::kPair) Q::join2(p16 + i0, a.rem + i0, px[0], px[1]);
     for (int u = 0; u < STEP / V::W; ++u) {
@@ -308,7 +321,7 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
       as = Q::maxi(as, zk_q8_absbits(sq));
     }
     if constexpr (REM && Q::kPair) Q::split2(px[0], px[1], p16 + i0, a.rem + i0);
-    else if (bf16_pair) Q::bf16x2(px[0], px[1], p16 + i0);
+    else if (bf16_pair) Q::bf16x2(px[0], px[1], p16 + i0, nt16);
   }
   float ms, vs;
   if (n == ZK_QBLOCK) {
@@ -367,6 +380,7 @@ ZK_TGT static void zk_c_blocks(const ZkCCall& c, int64_t b, int64_t e) {
       }
     }
   }
+  V::sfence();  // the streaming stores of zk_c_block_q8 are visible before the chunk returns
 }
 
 template <int GT, bool L2>

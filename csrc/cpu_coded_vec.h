@@ -56,7 +56,7 @@ struct Q {
   static constexpr bool kPair = false;
   static inline void join2(const uint16_t*, const int16_t*, F&, F&) {}
   static inline void split2(F, F, uint16_t*, int16_t*) {}
-  static inline void bf16x2(F, F, uint16_t*) {}
+  static inline void bf16x2(F, F, uint16_t*, bool) {}
   static inline F bf(I x) { F f; std::memcpy(&f, &x, 4); return f; }
   static inline I bi(F x) { I u; std::memcpy(&u, &x, 4); return u; }
   static inline F ldf(const float* p) { return *p; }
@@ -118,7 +118,7 @@ struct Q {
   static constexpr bool kPair = false;  // as zk_scalar::Q: never called
   ZK_TGT static inline void join2(const uint16_t*, const int16_t*, F&, F&) {}
   ZK_TGT static inline void split2(F, F, uint16_t*, int16_t*) {}
-  ZK_TGT static inline void bf16x2(F, F, uint16_t*) {}
+  ZK_TGT static inline void bf16x2(F, F, uint16_t*, bool) {}
   ZK_TGT static inline F bf(I x) { return _mm256_castsi256_ps(x); }
   ZK_TGT static inline I bi(F x) { return _mm256_castps_si256(x); }
   ZK_TGT static inline F ldf(const float* p) { return _mm256_loadu_ps(p); }
@@ -319,8 +319,9 @@ struct Q {
     _mm512_storeu_si512(rp, _mm512_maskz_mov_epi16(~nan, r));
   }
   // Two vectors rounded to bf16 in 16-bit lanes, the bits of V::store_bf16 (cpu_vec.h): round to nearest
-  // even; a NaN keeps its sign and high payload, quieted (| 0x0040), as torch's cast.
-  ZK_TGT static inline void bf16x2(F x0, F x1, uint16_t* hp) {
+  // even; a NaN keeps its sign and high payload, quieted (| 0x0040), as torch's cast. nt: a streaming
+  // store (hp 64-byte aligned; the caller fences).
+  ZK_TGT static inline void bf16x2(F x0, F x1, uint16_t* hp, bool nt) {
     const I lo = _mm512_permutex2var_epi16(bi(x0), words(0), bi(x1));
     const I hi = _mm512_permutex2var_epi16(bi(x0), words(1), bi(x1));
     const I half = _mm512_set1_epi16(static_cast<short>(0x8000));
@@ -329,7 +330,9 @@ struct Q {
     const __mmask32 nan = _mm512_kunpackw(_mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q),
                                           _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q));
     const I h = _mm512_mask_add_epi16(hi, up, hi, _mm512_set1_epi16(1));
-    _mm512_storeu_si512(hp, _mm512_mask_mov_epi16(h, nan, _mm512_or_si512(hi, _mm512_set1_epi16(0x0040))));
+    const I out = _mm512_mask_mov_epi16(h, nan, _mm512_or_si512(hi, _mm512_set1_epi16(0x0040)));
+    if (nt) _mm512_stream_si512(reinterpret_cast<__m512i*>(hp), out);
+    else _mm512_storeu_si512(hp, out);
   }
   // 32-entry lookup in two registers (bits 0-4 of the index), then blends on the higher bits.
   ZK_TGT static inline F perm32(const float* t, I k) {
