@@ -202,21 +202,28 @@ ZK_TGT static inline V::F zk_c_grad(const void* g, int i) {
   return V::load_fp16(static_cast<const uint16_t*>(g) + i);
 }
 
-// One vector of the fused-Adam update (reference.fused_adam_ref's operations and order; maximize
-// negates g after the grad scale, as the reference does). PLAIN: grad scale 1 and no maximize, so g is
-// used as loaded (x * 1 is x, and every use of g goes through an IEEE op that quiets a signaling NaN
-// as the multiply would). Returns sqrt(v) (the 8-bit v code encodes it).
-template <bool L2, bool PLAIN = false>
-ZK_TGT static inline V::F zk_c_update1(const ZkCConst& k, V::F gv, V::F& pv, V::F& mv, V::F& vv) {
+// One vector of the fused-Adam update (reference.fused_adam_ref's operations; each IEEE op rounds once, so
+// only the operands matter, not the order), in three parts a kernel can run in separate passes:
+// zk_c_grad1: the gradient the moments take (grad scale, maximize's negation after it, the L2 term of Adam
+// with weight decay, which reads p before its decay); PLAIN: grad scale 1 and no maximize, so g is used as
+// loaded (x * 1 is x, and every use of g goes through an IEEE op that quiets a signaling NaN as the
+// multiply would). zk_c_moments1: m and v, returns sqrt(v) (the 8-bit v code encodes it).
+// zk_c_param1: the parameter from its m and sqrt(v).
+template <bool L2, bool PLAIN>
+ZK_TGT static inline V::F zk_c_grad1(const ZkCConst& k, V::F gv, V::F pv) {
   if (!PLAIN) gv = Q::bf(Q::xori(Q::bi(V::mul(gv, k.gscale)), k.neg));
   if (L2) gv = V::add(gv, V::mul(k.wd, pv));
-  pv = V::mul(pv, k.decay);
+  return gv;
+}
+ZK_TGT static inline V::F zk_c_moments1(const ZkCConst& k, V::F gv, V::F& mv, V::F& vv) {
   mv = V::add(mv, V::mul(k.omb1, V::sub(gv, mv)));
   vv = V::add(V::mul(k.b2, vv), V::mul(V::mul(k.omb2, gv), gv));
-  const V::F sq = V::sqrt(vv);
+  return V::sqrt(vv);
+}
+ZK_TGT static inline V::F zk_c_param1(const ZkCConst& k, V::F pv, V::F mv, V::F sq) {
+  pv = V::mul(pv, k.decay);
   const V::F denom = V::add(V::div(sq, k.bc2), k.eps);
-  pv = V::sub(pv, V::div(V::mul(k.ss, mv), denom));
-  return sq;
+  return V::sub(pv, V::div(V::mul(k.ss, mv), denom));
 }
 
 // The fp32 master (or fp32 parameter) and its 16-bit copy, stored.
@@ -239,7 +246,8 @@ ZK_TGT static void zk_c_block_general(const ZkCJob& j, const ZkCHyper& h, const 
   for (int i = 0; i < ZK_QBLOCK; i += V::W) {
     V::F pv = rem ? zk_c_join1(static_cast<const uint16_t*>(a.p16) + i, a.rem + i) : V::load(a.master + i);
     V::F mv = V::load(bm + i), vv = V::load(bv + i);
-    zk_c_update1<L2>(k, zk_c_grad<GT>(a.g, i), pv, mv, vv);
+    const V::F sq = zk_c_moments1(k, zk_c_grad1<L2, false>(k, zk_c_grad<GT>(a.g, i), pv), mv, vv);
+    pv = zk_c_param1(k, pv, mv, sq);
     if (rem) zk_c_split1(pv, static_cast<uint16_t*>(a.p16) + i, a.rem + i);
     else zk_c_store_master(j, a, i, pv);
     V::store(bm + i, mv);
@@ -267,9 +275,9 @@ ZK_TGT static inline void zk_c_prefetch(const void* base, int i0) {
   }
 }
 
-// Both moments 8-bit (the memory-saving layout): one pass decodes, updates and stores the master,
-// keeping the updated m and sqrt(v) in L1 buffers and their running absmax in registers; a second
-// pass over the buffers writes the codes; the next blocks' arrays are prefetched (zk_c_prefetch).
+// Both moments 8-bit (the memory-saving layout): the moments are decoded and updated, kept in L1 buffers
+// (m and sqrt(v)) with their running absmax in registers, the master is updated from the buffers, and a
+// last pass over the buffers writes the codes; the next blocks' arrays are prefetched (zk_c_prefetch).
 // With 16-bit lanes (Q::kPair), two vectors share one remainder join and split, or one bf16 rounding.
 // The caller sends a block whose v scale is not finite (its v decodes to NaN) to zk_c_block_general.
 template <int GT, bool L2, bool REM, bool PLAIN>
@@ -288,8 +296,27 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
   const Q::I vbase = Q::set1i(zk_f32_bits(*a.v_scale) - ZK_V8_TOP);
   const ZkCConst k = zk_c_const(j, h);
   Q::I am = Q::set1i(0), as = Q::set1i(0);
+  // Two passes over the block: the moments and their square roots, then the divisions and the master.
+  // Each pass's dependency chain is short, so the divider (a sqrt per vector in the first, two divisions
+  // in the second) runs back to back while the other work overlaps it (a few % faster than one pass).
+  // Adam's L2 term reads p in the first pass too.
   for (int i0 = 0; i0 < ZK_QBLOCK; i0 += STEP) {
     zk_c_prefetch<GT == ZK_F32 ? 4 : 2, STEP>(a.g, i0);
+    zk_c_prefetch<1, STEP>(mc, i0);
+    zk_c_prefetch<1, STEP>(vc, i0);
+    for (int u = 0; u < STEP / V::W; ++u) {
+      const int i = i0 + u * V::W;
+      V::F pv = V::set1(0.0f);
+      if constexpr (L2) pv = REM ? zk_c_join1(p16 + i, a.rem + i) : V::load(a.master + i);
+      V::F mv = zk_m8_decode(mc + i, mstep), vv = zk_v8_decode(vc + i, vbase);
+      const V::F sq = zk_c_moments1(k, zk_c_grad1<L2, PLAIN>(k, zk_c_grad<GT>(a.g, i), pv), mv, vv);
+      V::store(bm + i, mv);
+      V::store(bs + i, sq);
+      am = Q::maxi(am, zk_q8_absbits(mv));
+      as = Q::maxi(as, zk_q8_absbits(sq));
+    }
+  }
+  for (int i0 = 0; i0 < ZK_QBLOCK; i0 += STEP) {
     if constexpr (REM) {
       zk_c_prefetch<2, STEP>(a.p16, i0);
       zk_c_prefetch<2, STEP>(a.rem, i0);
@@ -297,8 +324,6 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
       zk_c_prefetch<4, STEP>(a.master, i0);
       if (a.p16 && !nt16) zk_c_prefetch<2, STEP>(a.p16, i0);
     }
-    zk_c_prefetch<1, STEP>(mc, i0);
-    zk_c_prefetch<1, STEP>(vc, i0);
     V::F px[2];
     if constexpr (REM && Q::kPair) Q::join2(p16 + i0, a.rem + i0, px[0], px[1]);
     for (int u = 0; u < STEP / V::W; ++u) {
@@ -307,18 +332,13 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
       if constexpr (REM && Q::kPair) pv = px[u];
       else if constexpr (REM) pv = zk_c_join1(p16 + i, a.rem + i);
       else pv = V::load(a.master + i);
-      V::F mv = zk_m8_decode(mc + i, mstep), vv = zk_v8_decode(vc + i, vbase);
-      const V::F sq = zk_c_update1<L2, PLAIN>(k, zk_c_grad<GT>(a.g, i), pv, mv, vv);
+      pv = zk_c_param1(k, pv, V::load(bm + i), V::load(bs + i));
       if constexpr (Q::kPair) px[u] = pv;
       if constexpr (REM && !Q::kPair) zk_c_split1(pv, p16 + i, a.rem + i);
       if constexpr (!REM) {
         if (bf16_pair) V::store(a.master + i, pv);
         else zk_c_store_master(j, a, i, pv);
       }
-      V::store(bm + i, mv);
-      V::store(bs + i, sq);
-      am = Q::maxi(am, zk_q8_absbits(mv));
-      as = Q::maxi(as, zk_q8_absbits(sq));
     }
     if constexpr (REM && Q::kPair) Q::split2(px[0], px[1], p16 + i0, a.rem + i0);
     else if (bf16_pair) Q::bf16x2(px[0], px[1], p16 + i0, nt16);

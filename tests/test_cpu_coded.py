@@ -31,7 +31,8 @@ KINDS = [F32, BF, U8, F8]
 SIZES = [1, 255, 256, 257, 1000, 5000, 70001]
 LAYOUTS = {"remainder": (BF, True), "bf16+master": (BF, False), "fp16+master": (F16, False), "fp32": (F32, False)}
 HP = {"adamw": dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=True),
-      "l2+max": dict(lr=3e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.03, adamw=False, maximize=True)}
+      "l2+max": dict(lr=3e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.03, adamw=False, maximize=True),
+      "l2": dict(lr=2e-3, beta1=0.9, beta2=0.995, eps=1e-7, weight_decay=0.05, adamw=False)}
 
 
 def bits(t):
