@@ -3,7 +3,7 @@
 // One pass over every element of every tensor of the call (multi-tensor), no temporaries:
 //   read p, m, v (fp32), g (fp32/bf16/fp16) [, vmax]; write p, m, v [, vmax] [, p16 (bf16/fp16)].
 //
-// SIMD paths, chosen at run time (never -march=native): AVX-512F, AVX2+FMA+F16C, portable scalar.
+// SIMD paths, chosen at run time (never -march=native): AVX-512 (F+BW), AVX2+FMA+F16C, portable scalar.
 // Each path is the same loop (csrc/cpu_adam_simd.h) compiled with a function-level target
 // attribute. ZERO_KERNELS_CPU_ISA=avx512|avx2|scalar caps the path (tests use it to compare the
 // paths bitwise; a request above what the CPU supports is lowered to what it supports).

@@ -7,9 +7,11 @@
 //
 // Per path:  F (W floats), I (W uint32 lanes), M (a lane mask);
 //   loads/stores of fp32, u8, u16 (zero-extended), i8, i16 (sign-extended), stores of the low 8/16 bits;
-//   arithmetic; `lookup256` = table[code] (256 fp32 entries); `q8_code` = number of the 255
-//   midpoints strictly below y by an 8-step binary search over per-level tables (ZkLevels), the
-//   same comparisons in every path (a NaN y compares false everywhere: code 0, fixed by the caller).
+//   arithmetic; `v8_bits` / `v8_raise` (the 8-bit v log code's decode bits and zero / raise rule);
+//   `lookup256` = table[code] (256 fp32 entries) and `q8_code` = number of the 255 midpoints strictly
+//   below y by an 8-step binary search over per-level tables (ZkLevels), the wire codec's, the same
+//   comparisons in every path (a NaN y compares false everywhere: code 0, fixed by the caller);
+//   `kPair` paths (AVX-512 F+BW) also have join2 / split2 / bf16x2, two vectors in 16-bit lanes.
 #pragma once
 
 #include "cpu_vec.h"

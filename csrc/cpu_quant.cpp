@@ -9,8 +9,8 @@
 //   decode: out = table[code] * scale (one fp32 multiply), or out += that product (rounded to fp32
 //           first, then the add: acc.add_(decode_q8(...))).
 //
-// The code is the exact 8-step search over the midpoints of the coded-state kernel (ZkLevels,
-// Q::q8_code; the block body csrc/cpu_q8_simd.h is shared with it), compiled for AVX-512F,
+// The code is the exact 8-step search over the midpoints of csrc/cpu_coded_vec.h (ZkLevels,
+// Q::q8_code; csrc/cpu_q8_simd.h is shared with the coded-state kernel), compiled for AVX-512 (F+BW),
 // AVX2+FMA+F16C and portable scalar and chosen at run time by zk_isa() (ZERO_KERNELS_CPU_ISA caps it);
 // the paths give the same bits. Threads: torch's intra-op pool, split on block boundaries.
 //
