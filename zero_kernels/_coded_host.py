@@ -70,11 +70,10 @@ def prepare(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Te
     for s, t in zip(states, steps.unbind()):
         s["step"].copy_(t)
     coeffs = compute_coeffs(steps, lr, beta1, beta2, weight_decay, adamw, device=device)
-    seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
-    step_i = steps.to(torch.int64)
-    offs = torch.zeros_like(seed_t) if index_offsets is None else \
+    offs = torch.zeros(len(states), dtype=torch.int64, device=device) if index_offsets is None else \
         torch.tensor(index_offsets, dtype=torch.int64, device=device)
     if any(s[k].dtype == torch.bfloat16 for s in states for k in ("exp_avg", "exp_avg_sq")):
+        seed_t, step_i = torch.tensor(seeds, dtype=torch.int64, device=device), steps.to(torch.int64)
         keys = torch.stack([codecs.sr_key(seed_t, step_i, 0), codecs.sr_key(seed_t, step_i, 1), offs], dim=1)
     else:                                      # no stochastic rounding: the kernels do not read the keys
         keys = torch.stack([torch.zeros_like(offs), torch.zeros_like(offs), offs], dim=1)

@@ -23,8 +23,8 @@ Integer arithmetic below is on uint32 (wrapping); here it runs on int64 tensors 
 2. **8-bit blockwise moments** (``encode_m8`` / ``decode_m8`` for exp_avg, ``encode_v8`` / ``decode_v8``
    for exp_avg_sq): blocks of ``BLOCK`` = 256 consecutive elements of the state buffer, counted from its
    first element (the last block may be partial; ZeRO pads shards to whole blocks so no block straddles
-   ranks). Both codes are arithmetic (a multiply and a rounding per element, no table, no search), so
-   every kernel runs them at memory speed; all operations are IEEE fp32 (no FMA):
+   ranks). Both codes are arithmetic (m: a multiply and a rounding per element; v: an add and a shift on
+   the bits; no table, no search); all operations are IEEE fp32 (no FMA) or integer:
 
        m (signed):  scale = max |m| over the block
                     inv   = 127 / scale, replaced by 0 unless finite (scale 0, inf, NaN, tiny)
@@ -271,7 +271,7 @@ def decode_m8(codes: Tensor, scale: Tensor) -> Tensor:
 
 
 V8_STEP_BITS = 19          # one v code step = 2^19 in the bits of sqrt(v): 16 steps per octave
-_V8_TOP = 255              # the top code (V8_LEVELS)
+_V8_TOP = int(V8_LEVELS)   # the top code
 
 
 def _v8_bits(x: Tensor) -> Tensor:
