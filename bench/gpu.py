@@ -13,6 +13,14 @@ Modes:
                  writes master, m, v + bf16 param (28 B/param). torch has no such optimizer: its
                  candidates run what users do (cast the grads into fp32 master grads, step the fp32
                  masters, cast them back: ``_foreach_copy_`` both ways), timed as one step.
+  bf16-moments   bf16 parameters and gradients, fp32 master, bf16 m and v (stochastic rounding): 20 B/param
+  8bit           bf16 parameters and gradients, fp32 master, 8-bit blockwise m and v (one fp32 scale per 256
+                 elements each): 16.06 B/param
+  8bit+rem       8bit with store_param_remainders=True (bf16 parameter + int16 remainder, no fp32
+                 master): 14.06 B/param
+                 The state-format modes (issue 11) run zero_kernels only: no anchor here keeps these
+                 states in one fused step (bitsandbytes / torchao are not in the GPU image). Their ceiling
+                 row is the bf16-master stream mix's GB/s applied to the mode's bytes.
 Candidates: zero_kernels FusedAdamW (backend triton, cuda), torch.optim.AdamW fused and foreach,
 apex FusedAdam and TransformerEngine FusedAdam when importable. Each candidate owns its buffers
 (freed before the next is built); candidates are interleaved by rounds (A B C .. A B C ..) and each
@@ -54,7 +62,27 @@ def llama7b_layer_shapes(d: int = 4096, ffn: int = 11008) -> list:
 
 
 WORKLOADS = {"gpt2-xl": gpt2_xl_shapes, "llama7b-layer": llama7b_layer_shapes}
-MODES = ("fp32", "bf16-master")
+MODES = ("fp32", "bf16-master", "bf16-moments", "8bit", "8bit+rem")
+# state-format modes: FusedAdamW keyword arguments (bf16 parameters and gradients)
+STATE_FORMATS = {
+    "bf16-moments": dict(exp_avg_dtype="bfloat16", exp_avg_sq_dtype="bfloat16"),
+    "8bit": dict(exp_avg_dtype="uint8", exp_avg_sq_dtype="uint8"),
+    "8bit+rem": dict(exp_avg_dtype="uint8", exp_avg_sq_dtype="uint8", store_param_remainders=True),
+}
+
+
+def mode_bytes_per_element(mode: str) -> float:
+    """Bytes one step moves per parameter in ``mode`` (each array read and written once): the grad (read),
+    the parameter or master and the moments (read and written), the bf16 parameter copy (written)."""
+    import torch
+    from zero_kernels.reference import bytes_per_element
+    if mode in ("fp32", "bf16-master"):
+        return float(bytes_per_element(torch.float32 if mode == "fp32" else torch.bfloat16,
+                                       None if mode == "fp32" else torch.bfloat16))
+    fmt = STATE_FORMATS[mode]
+    moment = {"bfloat16": 2 * 2, "uint8": 2 * 1 + 2 * 4 / 256}      # codes r+w, + one fp32 scale r+w per 256
+    master = 2 * 2 + 2 * 2 if fmt.get("store_param_remainders") else 2 * 4 + 2   # bf16 p + rem r+w | master r+w + p w
+    return 2 + master + moment[fmt["exp_avg_dtype"]] + moment[fmt["exp_avg_sq_dtype"]]
 
 
 # ---- candidates ---------------------------------------------------------------------------------
@@ -75,13 +103,23 @@ def _zk(backend):
         import torch
         import zero_kernels as zk
         c = Candidate(f"zero_kernels {backend}", shapes, mode)
+        from zero_kernels import codecs
         dt = torch.float32 if mode == "fp32" else torch.bfloat16
         ps = [torch.nn.Parameter(c.init(s).to(dt)) for s in shapes]
         for p in ps:
             p.grad = c.grad(p.shape).to(dt)
-        opt = zk.FusedAdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, backend=backend)
+        fmt = {k: getattr(torch, v) if isinstance(v, str) else v for k, v in STATE_FORMATS.get(mode, {}).items()}
+        opt = zk.FusedAdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, backend=backend, **fmt)
         c.step = opt.step
-        c.masters = lambda: ps if mode == "fp32" else [opt.state[p]["master_param"] for p in ps]
+
+        def masters():
+            if mode == "fp32":
+                return ps
+            st = [opt.state[p] for p in ps]
+            return [s["master_param"] if "master_param" in s else
+                    codecs.join_remainder(p.detach(), s["master_remainder"]) if "master_remainder" in s else
+                    p.detach().float() for p, s in zip(ps, st)]
+        c.masters = masters
         c.first = lambda picks: ([ps[i].detach().float().clone() for i in picks],
                                  [ps[i].grad.float().clone() for i in picks])
         c.keep = (ps, opt)
@@ -131,6 +169,7 @@ def candidate_builders() -> dict:
         why = backends.why_unavailable(b, torch.device("cuda"))
         out[f"zero_kernels {b}"] = (None, why) if why else (_zk(b), None)
     kw = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    # torch-style candidates run fp32 / bf16-master only: none of them keeps low-precision states
     out["torch AdamW fused"] = (_master_pipeline("torch AdamW fused", lambda ps: torch.optim.AdamW(ps, fused=True, **kw)), None)
     out["torch AdamW foreach"] = (_master_pipeline("torch AdamW foreach", lambda ps: torch.optim.AdamW(ps, foreach=True, **kw)), None)
     try:
@@ -202,22 +241,41 @@ def ceiling_ms(numel: int, mode: str, repeats: int) -> float | None:
     return statistics.median(dev)
 
 
-def run_workload(name: str, mode: str, builders: dict, rounds: int, repeats: int) -> list[dict]:
+def profile_step(label: str, step, top: int = 8) -> None:
+    """Print the CUDA kernels of 3 steps (torch.profiler): where the device time of one step goes."""
     import torch
-    from zero_kernels.reference import bytes_per_element
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0]
+    rows.sort(key=lambda e: -e.device_time_total)
+    print(f"  profile {label}: per step, CUDA kernels by device time", flush=True)
+    for e in rows[:top]:
+        print(f"    {e.device_time_total / 3e3:9.3f} ms  {e.count // 3:5d} launches  {e.key[:110]}", flush=True)
+
+
+def run_workload(name: str, mode: str, builders: dict, rounds: int, repeats: int, profile: bool = False) -> list[dict]:
+    import torch
     shapes = WORKLOADS[name]()
     numel = sum(int(torch.Size(s).numel()) for s in shapes)
-    bpe = bytes_per_element(torch.float32 if mode == "fp32" else torch.bfloat16,
-                            None if mode == "fp32" else torch.bfloat16)
+    bpe = mode_bytes_per_element(mode)
     gb = numel * bpe / 1e9
-    ceil = ceiling_ms(numel, mode, repeats)
-    rows = [dict(workload=name, mode=mode, candidate="ceiling (same stream mix)", params=numel,
-                 device_ms=ceil, host_ms=None, err=None, note="" if ceil else "triton unavailable")]
-    results = {k: dict(dev=[], host=[], err=None, note=why or "") for k, (_, why) in builders.items()}
+    coded = mode in STATE_FORMATS
+    ceil = ceiling_ms(numel, "bf16-master" if coded else mode, repeats)
+    if coded and ceil:       # the bf16-master mix's bandwidth over this mode's bytes
+        ceil *= bpe / mode_bytes_per_element("bf16-master")
+    rows = [dict(workload=name, mode=mode, candidate="ceiling (bf16-master mix's GB/s)" if coded else
+                 "ceiling (same stream mix)", params=numel, device_ms=ceil, host_ms=None, err=None,
+                 note="" if ceil else "triton unavailable")]
+    results = {k: dict(dev=[], host=[], err=None, note=why or "") for k, (_, why) in builders.items()
+               if not coded or k.startswith("zero_kernels")}
     picks = [0, len(shapes) // 2, len(shapes) - 1]
     for r in range(rounds):
         for k, (build, _) in builders.items():
-            if results[k]["note"]:          # unavailable, failed its check, or out of memory
+            if k not in results or results[k]["note"]:          # unavailable, failed its check, or out of memory
                 continue
             c = None
             try:
@@ -233,6 +291,8 @@ def run_workload(name: str, mode: str, builders: dict, rounds: int, repeats: int
                 dev, host = time_steps(c.step, repeats)
                 results[k]["dev"] += dev
                 results[k]["host"] += host
+                if profile and r == rounds - 1:
+                    profile_step(f"{name} {mode} {k}", c.step)
             except torch.cuda.OutOfMemoryError:
                 results[k]["note"] = "out of memory"
             finally:
@@ -244,20 +304,22 @@ def run_workload(name: str, mode: str, builders: dict, rounds: int, repeats: int
                          host_ms=statistics.median(res["host"]) if res["host"] else None,
                          err=res["err"], note=res["note"]))
     for row in rows:
+        row["bpe"] = bpe
         ms = row["device_ms"]
         row["gbs"] = gb / (ms * 1e-3) if ms else None
         row["pct"] = 100.0 * ceil / ms if (ms and ceil) else None
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
+def print_table(rows: list[dict], flush: bool = False) -> None:
     from _timing import table
     fmt = lambda x, f: "" if x is None else format(x, f)  # noqa: E731
-    print(table([[r["workload"], r["mode"], r["candidate"], f"{r['params'] / 1e6:.0f}M", fmt(r["device_ms"], ".3f"),
+    print(table([[r["workload"], r["mode"], r["candidate"], f"{r['params'] / 1e6:.0f}M", f"{r['bpe']:.2f}",
+                  fmt(r["device_ms"], ".3f"),
                   fmt(r["host_ms"], ".3f"), fmt(r["gbs"], ".0f"), fmt(r["pct"], ".1f"), fmt(r["err"], ".1e"), r["note"]]
                  for r in rows],
-                ["workload", "mode", "candidate", "params", "device ms", "host ms", "GB/s", "% of ceiling",
-                 "max rel err", "note"]))
+                ["workload", "mode", "candidate", "params", "B/param", "device ms", "host ms", "GB/s", "% of ceiling",
+                 "max rel err", "note"]), flush=flush)
 
 
 def main(argv=None) -> int:
@@ -267,6 +329,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the candidates")
     ap.add_argument("--repeats", type=int, default=10, help="timed steps per candidate per round")
     ap.add_argument("--csv", default=None, help="also write the rows to this CSV file")
+    ap.add_argument("--profile", action="store_true", help="also print each candidate's CUDA kernels (torch.profiler)")
     args = ap.parse_args(argv)
     try:
         import torch
@@ -287,13 +350,16 @@ def main(argv=None) -> int:
     rows = []
     for w in args.workloads.split(","):
         for m in args.modes.split(","):
-            rows += run_workload(w, m, builders, args.rounds, args.repeats)
+            new = run_workload(w, m, builders, args.rounds, args.repeats, profile=args.profile)
+            rows += new
+            print_table(new, flush=True)        # each part as it ends: a run cut short keeps what it measured
+            if args.csv:
+                with open(args.csv, "w", newline="") as f:
+                    wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+                    wr.writeheader()
+                    wr.writerows(rows)
+    print("\nAll rows:")
     print_table(rows)
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-            wr.writeheader()
-            wr.writerows(rows)
     return 0
 
 

@@ -30,6 +30,16 @@ All of a kernel's loads and stores must also share one register layout, or Trito
 them through shared memory: each launcher picks num_warps so that one thread's elements per
 access fit in 128 bits for every dtype it touches.
 
+[Note: hints mark the defining op]
+``tl.multiple_of(x, 16)`` creates no new value: it sets a divisibility attribute on the op that
+defined ``x``. A pointer made once before ``if aligned:`` and hinted inside that branch is therefore
+hinted everywhere, the unaligned branch included; the two branches then compile to the same 128-bit
+code and the compiler merges them (seen on an H200: "misaligned address" on the ZeRO layer's shard
+views; the PTX had no alignment test left). So every branch makes its own pointers from the table's
+integer addresses (``typed_pointer``, ``offset_pointer``: a fresh op per call, hinted or not), and
+tests/test_codegen.py checks that each multi-tensor kernel's PTX still tests the alignment (an
+``and`` with 15) and holds both 128-bit and scalar accesses.
+
 [Note: interpreter bits are GPU bits]
 Under TRITON_INTERPRET=1 each fp32 operation is computed by numpy, correctly rounded, and Python
 float kernel arguments stay doubles; compiled for a GPU, Triton 3.9 contracts a*b+c into ``fma``
@@ -65,12 +75,42 @@ def program_chunk(chunk_tensor, chunk_start, numels):
 
 
 @triton.jit
+def typed_pointer(address, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """A pointer-table entry (an int64 address) as a *DTYPE pointer, hinted 16-byte aligned iff ALIGNED.
+    Call it inside the branch that uses the pointer ([Note: hints mark the defining op])."""
+    ptr = address.to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def offset_pointer(base, offset, ALIGNED: tl.constexpr):
+    """``base + offset`` (elements), hinted 16-byte aligned iff ALIGNED; inside its branch, as typed_pointer."""
+    ptr = base + offset
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
 def block_offsets(start, i, BLOCK_SIZE: tl.constexpr):
     """(first element, int64 offsets) of iteration ``i`` of a chunk: BLOCK_SIZE contiguous elements
     starting at a multiple of BLOCK_SIZE (the hints that make full blocks vectorize)."""
     block_start = start + i * BLOCK_SIZE
     offs = block_start + tl.arange(0, BLOCK_SIZE).to(tl.int64)
     return block_start, tl.max_contiguous(tl.multiple_of(offs, BLOCK_SIZE), BLOCK_SIZE)
+
+
+@triton.jit
+def scalar_offsets(start, i, BLOCK_SIZE: tl.constexpr):
+    """int64 offsets of iteration ``i`` of a chunk for the unhinted paths (a misaligned tensor's blocks, every
+    tensor's last block), shaped [BLOCK_SIZE // 32, 32]: one element per thread, a warp's 32 consecutive.
+    The other shape keeps Triton from giving these accesses the 128-bit path's layout (4 per thread): its
+    coalescing widens loads to the widest layout among accesses of the same shape, but not stores to a
+    pointer of unknown alignment, and the two layouts would meet in a conversion through shared memory."""
+    rows = tl.arange(0, BLOCK_SIZE // 32).to(tl.int64)[:, None] * 32
+    return start + i * BLOCK_SIZE + rows + tl.arange(0, 32).to(tl.int64)[None, :]
 
 
 @triton.jit

@@ -27,6 +27,7 @@ from torch.library import wrap_triton
 
 from ..reference import moment_coeffs
 from ._multi_tensor import (block_offsets, chunk_map, device_guard, pointer_table, program_chunk, round_bf16_bits,
+                            scalar_offsets, typed_pointer,
                             upload)
 
 # Elements per program: BLOCK per iteration x ITERS iterations. Large chunks keep the grid small
@@ -153,6 +154,19 @@ def _adam_unhinted(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, block_
 
 
 @triton.jit
+def _table_pointers(a_master, a_grad, a_m, a_v, a_vmax, a_p16, GRAD_DTYPE: tl.constexpr, P16_KIND: tl.constexpr,
+                    ALIGNED: tl.constexpr):
+    """The six typed pointers of one table row, hinted 16-byte aligned iff ALIGNED."""
+    if P16_KIND == 1:
+        p16_ptr = typed_pointer(a_p16, tl.uint16, ALIGNED)
+    else:
+        p16_ptr = typed_pointer(a_p16, tl.float16, ALIGNED)
+    return (typed_pointer(a_master, tl.float32, ALIGNED), typed_pointer(a_grad, GRAD_DTYPE, ALIGNED),
+            typed_pointer(a_m, tl.float32, ALIGNED), typed_pointer(a_v, tl.float32, ALIGNED),
+            typed_pointer(a_vmax, tl.float32, ALIGNED), p16_ptr)
+
+
+@triton.jit
 def fused_adam_kernel(
     ptr_table,        # int64 [T, 6]: data_ptr of master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param16 (0 = absent)
     numels,           # int64 [T]: elements in tensor t
@@ -185,28 +199,24 @@ def fused_adam_kernel(
     a_v, a_vmax, a_p16 = tl.load(row + 3), tl.load(row + 4), tl.load(row + 5)
     # Per tensor, as the CUDA kernel per block: 128-bit accesses iff all its pointers (absent = 0)
     # are 16-byte aligned. Chunk starts are multiples of BLOCK_SIZE, so every full block is too.
+    # Each branch makes its own pointers ([Note: hints mark the defining op] in _multi_tensor.py).
     aligned = ((a_master | a_grad | a_m | a_v | a_vmax | a_p16) & 15) == 0
-    master_ptr = a_master.to(tl.pointer_type(tl.float32))
-    grad_ptr = a_grad.to(tl.pointer_type(GRAD_DTYPE))
-    m_ptr = a_m.to(tl.pointer_type(tl.float32))
-    v_ptr = a_v.to(tl.pointer_type(tl.float32))
-    vmax_ptr = a_vmax.to(tl.pointer_type(tl.float32))
-    if P16_KIND == 1:
-        p16_ptr = a_p16.to(tl.pointer_type(tl.uint16))
-    else:
-        p16_ptr = a_p16.to(tl.pointer_type(tl.float16))
     step_size, bc2_sqrt, decay, grad_scale = _scalars(coeffs, t, grad_scale_ptr, HAS_GRAD_SCALE)
     for i in range(N_ITERS):
-        block_start, offs = block_offsets(start, i, BLOCK_SIZE)
+        block_start = start + i * BLOCK_SIZE
         if aligned and block_start + BLOCK_SIZE <= numel:
-            _adam_block(tl.multiple_of(master_ptr, 16), tl.multiple_of(grad_ptr, 16),
-                        tl.multiple_of(m_ptr, 16), tl.multiple_of(v_ptr, 16),
-                        tl.multiple_of(vmax_ptr, 16), tl.multiple_of(p16_ptr, 16), offs, None,
+            _, offs = block_offsets(start, i, BLOCK_SIZE)     # per branch: each has its own register layout
+            master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr = _table_pointers(
+                a_master, a_grad, a_m, a_v, a_vmax, a_p16, GRAD_DTYPE, P16_KIND, True)
+            _adam_block(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, offs, None,
                         step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2,
                         one_minus_beta2, eps, weight_decay,
                         False, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND)
         else:
-            _adam_unhinted(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, block_start, offs, numel,
+            soffs = scalar_offsets(start, i, BLOCK_SIZE)
+            master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr = _table_pointers(
+                a_master, a_grad, a_m, a_v, a_vmax, a_p16, GRAD_DTYPE, P16_KIND, False)
+            _adam_unhinted(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, block_start, soffs, numel,
                            step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1, beta2, one_minus_beta2,
                            eps, weight_decay, HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, P16_KIND, BLOCK_SIZE)
 

@@ -29,7 +29,8 @@ from .._coded_host import CodedEntry, prepare
 from ..reference import moment_coeffs
 from ._codecs import (F8_MAX, QBLOCK, block_absmax, decode_bf16, decode_f8, decode_m8, decode_v8, encode_bf16_sr,
                       encode_f8, encode_m8, encode_v8, join_remainder, ld, scaled, split_remainder, st)
-from ._multi_tensor import chunk_map, device_guard, pointer_table, program_chunk, round_bf16_bits, upload
+from ._multi_tensor import (chunk_map, device_guard, pointer_table, program_chunk, round_bf16_bits, typed_pointer,
+                            upload)
 from .adam import LAUNCH_OPTIONS, adam_update
 
 BLOCK = 1024
@@ -38,13 +39,6 @@ CHUNK = BLOCK * ITERS
 _COLS = 7   # master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param16
 
 
-@triton.jit
-def _ptr(address, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
-    """A table entry as a typed pointer, hinted 16-byte aligned when the tensor's pointers all are."""
-    ptr = address.to(tl.pointer_type(DTYPE))
-    if ALIGNED:
-        ptr = tl.multiple_of(ptr, 16)
-    return ptr
 
 
 @triton.jit
@@ -54,11 +48,11 @@ def _load_moment(ptr, scale_ptr, offs, mask, rows, MASKED: tl.constexpr, KIND: t
     8-bit code is the log code of sqrt(v)). A blockwise moment's scale is loaded once per row (block) and broadcast,
     so the per-block division of the decode runs once per row, not per element."""
     if KIND == 0:
-        return ld(_ptr(ptr, tl.float32, ALIGNED), offs, mask, MASKED)
+        return ld(typed_pointer(ptr, tl.float32, ALIGNED), offs, mask, MASKED)
     elif KIND == 1:
-        return decode_bf16(ld(_ptr(ptr, tl.uint16, ALIGNED), offs, mask, MASKED))
+        return decode_bf16(ld(typed_pointer(ptr, tl.uint16, ALIGNED), offs, mask, MASKED))
     else:
-        code = ld(_ptr(ptr, tl.uint8, ALIGNED), offs, mask, MASKED)
+        code = ld(typed_pointer(ptr, tl.uint8, ALIGNED), offs, mask, MASKED)
         row_mask = tl.max(mask.to(tl.int32), axis=1) > 0
         scale = ld(scale_ptr.to(tl.pointer_type(tl.float32)), rows, row_mask, MASKED)[:, None]
         if KIND == 2:
@@ -76,9 +70,9 @@ def _store_moment(x, root, ptr, scale_ptr, offs, mask, rows, index_offset, key,
     """Encode one updated moment of the tile and store it (with its new block scales). ``root``: sqrt(x),
     which the 8-bit exp_avg_sq code (SQ) encodes."""
     if KIND == 0:
-        st(_ptr(ptr, tl.float32, ALIGNED), offs, x, mask, MASKED)
+        st(typed_pointer(ptr, tl.float32, ALIGNED), offs, x, mask, MASKED)
     elif KIND == 1:
-        st(_ptr(ptr, tl.uint16, ALIGNED), offs, encode_bf16_sr(x, offs, index_offset, key), mask, MASKED)
+        st(typed_pointer(ptr, tl.uint16, ALIGNED), offs, encode_bf16_sr(x, offs, index_offset, key), mask, MASKED)
     else:
         if KIND == 3:
             scale = tl.div_rn(block_absmax(x, mask), F8_MAX)
@@ -87,7 +81,7 @@ def _store_moment(x, root, ptr, scale_ptr, offs, mask, rows, index_offset, key,
             code, scale = encode_v8(root, mask)
         else:
             code, scale = encode_m8(x, mask)
-        st(_ptr(ptr, tl.uint8, ALIGNED), offs, code, mask, MASKED)
+        st(typed_pointer(ptr, tl.uint8, ALIGNED), offs, code, mask, MASKED)
         row_mask = tl.max(mask.to(tl.int32), axis=1) > 0
         st(scale_ptr.to(tl.pointer_type(tl.float32)), rows, scale, row_mask, MASKED)
 
@@ -100,11 +94,11 @@ def _coded_tile(row, offs, mask, rows, step_size, bc2_sqrt, decay, grad_scale, m
                 ADAMW: tl.constexpr, MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr):
     """Load, decode, update, encode and store one [rows, 256] tile of one tensor (table row ``row``)."""
     a_master, a_p16 = tl.load(row + 0), tl.load(row + 6)
-    p16_ptr = _ptr(a_p16, tl.uint16, ALIGNED)
-    master_ptr = _ptr(a_master, tl.float32, ALIGNED)
-    grad_ptr = _ptr(tl.load(row + 1), GRAD_DTYPE, ALIGNED)
+    p16_ptr = typed_pointer(a_p16, tl.uint16, ALIGNED)
+    master_ptr = typed_pointer(a_master, tl.float32, ALIGNED)
+    grad_ptr = typed_pointer(tl.load(row + 1), GRAD_DTYPE, ALIGNED)
     if MASTER_KIND == 1:
-        rem_ptr = _ptr(a_master, tl.int16, ALIGNED)
+        rem_ptr = typed_pointer(a_master, tl.int16, ALIGNED)
         p = join_remainder(ld(p16_ptr, offs, mask, MASKED), ld(rem_ptr, offs, mask, MASKED))
     else:
         p = ld(master_ptr, offs, mask, MASKED)
@@ -127,7 +121,7 @@ def _coded_tile(row, offs, mask, rows, step_size, bc2_sqrt, decay, grad_scale, m
         if P16_KIND == 1:
             st(p16_ptr, offs, round_bf16_bits(p), mask, MASKED)
         elif P16_KIND == 2:
-            st(_ptr(a_p16, tl.float16, ALIGNED), offs, p.to(tl.float16), mask, MASKED)
+            st(typed_pointer(a_p16, tl.float16, ALIGNED), offs, p.to(tl.float16), mask, MASKED)
 
 
 @triton.jit

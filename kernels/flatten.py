@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._multi_tensor import block_offsets, chunk_map, device_guard, pointer_table, program_chunk, round_bf16_bits
+from ._multi_tensor import (block_offsets, chunk_map, device_guard, offset_pointer, pointer_table, program_chunk,
+                            round_bf16_bits, scalar_offsets, typed_pointer)
 
 __all__ = ["flatten_triton", "unflatten_triton", "flatten_kernel", "unflatten_kernel", "CODEGEN_CASES"]
 
@@ -84,21 +85,26 @@ def flatten_kernel(
 ):
     t, start, n = program_chunk(chunk_tensor, chunk_start, numels)
     src_addr = tl.load(src_table + t)
-    src = src_addr.to(tl.pointer_type(SRC_DTYPE))
-    d = dst + tl.load(dst_offsets + t)
+    d_off = tl.load(dst_offsets + t)
     # Per tensor ([Note: 128-bit accesses]): vector accesses iff its source and its region are
-    # 16-byte aligned; a misaligned region (an odd-sized neighbour) costs only this tensor.
-    aligned = ((src_addr | d.to(tl.int64)) & 15) == 0
+    # 16-byte aligned; a misaligned region (an odd-sized neighbour) costs only this tensor. Each
+    # branch makes its own pointers ([Note: hints mark the defining op]).
+    aligned = ((src_addr | (dst + d_off).to(tl.int64)) & 15) == 0
     for i in range(N_ITERS):
-        block_start, offs = block_offsets(start, i, BLOCK_SIZE)
+        block_start = start + i * BLOCK_SIZE
         if block_start + BLOCK_SIZE <= n:
-            if aligned:
-                _flatten_block(tl.multiple_of(src, 16), tl.multiple_of(d, 16), offs, None, scale,
-                               False, ACCUMULATE, DST_BF16)
+            if aligned:       # offsets per branch too: each branch has its own register layout
+                _, offs = block_offsets(start, i, BLOCK_SIZE)
+                _flatten_block(typed_pointer(src_addr, SRC_DTYPE, True), offset_pointer(dst, d_off, True), offs,
+                               None, scale, False, ACCUMULATE, DST_BF16)
             else:
-                _flatten_block(src, d, offs, None, scale, False, ACCUMULATE, DST_BF16)
+                soffs = scalar_offsets(start, i, BLOCK_SIZE)
+                _flatten_block(typed_pointer(src_addr, SRC_DTYPE, False), offset_pointer(dst, d_off, False), soffs,
+                               None, scale, False, ACCUMULATE, DST_BF16)
         elif block_start < n:
-            _flatten_block(src, d, offs, offs < n, scale, True, ACCUMULATE, DST_BF16)
+            toffs = scalar_offsets(start, i, BLOCK_SIZE)
+            _flatten_block(typed_pointer(src_addr, SRC_DTYPE, False), offset_pointer(dst, d_off, False), toffs,
+                           toffs < n, scale, True, ACCUMULATE, DST_BF16)
 
 
 @triton.jit
@@ -114,22 +120,25 @@ def unflatten_kernel(
     N_ITERS: tl.constexpr,      # iterations per program
 ):
     t, start, n = program_chunk(chunk_tensor, chunk_start, numels)
-    s = src + tl.load(src_offsets + t)
+    s_off = tl.load(src_offsets + t)
     dst_addr = tl.load(dst_table + t)
-    dst = dst_addr.to(tl.pointer_type(BITS_DTYPE))
-    aligned = ((dst_addr | s.to(tl.int64)) & 15) == 0   # per tensor, as flatten_kernel
+    aligned = ((dst_addr | (src + s_off).to(tl.int64)) & 15) == 0   # per tensor, as flatten_kernel
     for i in range(N_ITERS):
-        block_start, offs = block_offsets(start, i, BLOCK_SIZE)
+        block_start = start + i * BLOCK_SIZE
         if block_start + BLOCK_SIZE <= n:
-            if aligned:
-                sa = tl.multiple_of(s, 16)
-                da = tl.multiple_of(dst, 16)
-                tl.store(da + offs, tl.load(sa + offs))
+            if aligned:       # pointers and offsets per branch, as flatten_kernel
+                _, offs = block_offsets(start, i, BLOCK_SIZE)
+                da = typed_pointer(dst_addr, BITS_DTYPE, True)
+                tl.store(da + offs, tl.load(offset_pointer(src, s_off, True) + offs))
             else:
-                tl.store(dst + offs, tl.load(s + offs))
+                soffs = scalar_offsets(start, i, BLOCK_SIZE)
+                du = typed_pointer(dst_addr, BITS_DTYPE, False)
+                tl.store(du + soffs, tl.load(offset_pointer(src, s_off, False) + soffs))
         elif block_start < n:
-            mask = offs < n
-            tl.store(dst + offs, tl.load(s + offs, mask=mask), mask=mask)
+            toffs = scalar_offsets(start, i, BLOCK_SIZE)
+            mask = toffs < n
+            dm = typed_pointer(dst_addr, BITS_DTYPE, False)
+            tl.store(dm + toffs, tl.load(offset_pointer(src, s_off, False) + toffs, mask=mask), mask=mask)
 
 
 def flatten_triton(tensors: Sequence[Tensor | None], out: Tensor, offsets: Sequence[int],

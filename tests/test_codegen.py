@@ -145,6 +145,19 @@ def ptx_ieee_counts(ptx: str) -> dict:
     return counts
 
 
+_ALIGN_TEST = re.compile(r"\band\.b(?:32|64)\s+%\w+,\s*%\w+,\s*15;")
+
+
+def ptx_align_tests(ptx: str) -> int:
+    """How many ``x & 15`` (a 16-byte alignment test of an address) the PTX computes."""
+    return len(_ALIGN_TEST.findall(ptx))
+
+
+def reads_pointer_table(case: dict) -> bool:
+    """The kernel takes its tensors' addresses from a table (``*_table`` arguments)."""
+    return any(n.endswith("_table") and t == "*i64" for n, t in case["signature"].items())
+
+
 _PTXAS_PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 
@@ -194,7 +207,7 @@ def compile_case(case: dict, capability: int) -> dict:
     compiled = triton.compile(src, target=target, options=options)
     ptx = compiled.asm["ptx"]
     fp_fusion = getattr(compiled.metadata, "enable_fp_fusion", True)
-    return dict(widths=ptx_access_widths(ptx), ieee=ptx_ieee_counts(ptx),
+    return dict(widths=ptx_access_widths(ptx), ieee=ptx_ieee_counts(ptx), align_tests=ptx_align_tests(ptx),
                 ptxas=_ptxas_report(ptx, capability, fp_fusion),
                 shared=getattr(compiled.metadata, "shared", None), fp_fusion=fp_fusion,
                 target=re.search(r"\.target\s+(\S+)", ptx).group(1))
@@ -222,6 +235,7 @@ def worker(out_path: str) -> None:
                     report["results"][key] = dict(ok=True, **compile_case(case, cc))
                 except Exception:  # noqa: BLE001
                     report["results"][key] = dict(ok=False, error=traceback.format_exc())
+                report["results"][key]["table"] = reads_pointer_table(case)
     with open(out_path, "w") as f:
         json.dump(report, f)
 
@@ -322,6 +336,19 @@ def test_codegen(report, module, index, description, options, arch):
             f"{description} on {arch}: {wide_ld} 128-bit global loads (need {need_ld}) and {wide_st} "
             f"128-bit stores (need {need_st}); access widths in bits: loads {widths['ld']}, "
             f"stores {widths['st']}. Are the pointers hinted 16-byte aligned and the block unmasked?")
+
+
+def test_codegen_keeps_the_alignment_branch(report):
+    """A kernel reading addresses from a pointer table decides 128-bit accesses per tensor at run time: its
+    PTX must still test the addresses' alignment (``& 15``). When a hint leaks into the unaligned branch
+    the two branches are the same code, the compiler drops the test, and a misaligned tensor faults
+    ([Note: hints mark the defining op] in kernels/_multi_tensor.py). Cases without a table are not
+    concerned: Triton specializes pointer arguments on their alignment at launch."""
+    tables = {k: r for k, r in report["results"].items() if r.get("ok") and r.get("table")}
+    assert len(tables) >= 10, f"expected the adam, adam_coded and flatten table kernels, found {sorted(tables)}"
+    lost = sorted(k for k, r in tables.items() if r["align_tests"] < 1)
+    assert not lost, (f"no alignment test left in the PTX of {lost}: every tensor takes the 128-bit path; make each "
+                      "branch's pointers inside it (typed_pointer / offset_pointer in kernels/_multi_tensor.py)")
 
 
 @every_case_and_arch

@@ -67,8 +67,7 @@ def prepare(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Te
     device = params[0].device
     steps = torch.stack([s["step"].reshape(()) for s in states])
     steps.add_(1.0 if found_inf is None else 1.0 - found_inf.to(device, torch.float32).reshape(()))
-    for s, t in zip(states, steps.unbind()):
-        s["step"].copy_(t)
+    torch._foreach_copy_([s["step"] for s in states], list(steps.unbind()))    # one launch, not one per tensor
     coeffs = compute_coeffs(steps, lr, beta1, beta2, weight_decay, adamw, device=device)
     offs = torch.zeros(len(states), dtype=torch.int64, device=device) if index_offsets is None else \
         torch.tensor(index_offsets, dtype=torch.int64, device=device)

@@ -251,9 +251,16 @@ def _inverse(scale: Tensor, levels: float) -> Tensor:
     return torch.where(inv <= _FLT_MAX, inv, 0.0)
 
 
+def _div_const(x: Tensor, c: float) -> Tensor:
+    """x / c, IEEE fp32 division on every device. The divisor is a tensor on x's device: on CUDA, torch
+    turns a division by a Python number (or a CPU scalar tensor) into a multiplication by its rounded
+    reciprocal, which is 1 ulp off for some x (seen on an H200: absmax / 448)."""
+    return x / torch.tensor(c, dtype=torch.float32, device=x.device)
+
+
 def _step(scale: Tensor, levels: float, n: int) -> Tensor:
     """scale / levels per block (IEEE fp32 division), repeated over each block's elements, first n."""
-    return (scale / torch.tensor(levels, dtype=torch.float32, device=scale.device)).repeat_interleave(BLOCK)[:n]
+    return _div_const(scale, levels).repeat_interleave(BLOCK)[:n]
 
 
 def encode_m8(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -305,7 +312,7 @@ F8_MAX = 448.0
 def encode_f8(x: Tensor) -> tuple[Tensor, Tensor]:
     """fp32 -> (float8_e4m3fn codes shaped like x, fp32 scales [ceil(numel / BLOCK)])."""
     xb = _blocks(x)
-    scale = xb.abs().amax(dim=1) / F8_MAX
+    scale = _div_const(xb.abs().amax(dim=1), F8_MAX)
     y = torch.where(scale[:, None] == 0, 0.0, xb / scale[:, None])
     return y.reshape(-1)[: x.numel()].to(torch.float8_e4m3fn).view(x.shape), scale
 

@@ -46,13 +46,17 @@ def test_gpt2_shapes_against_torch_fused(backend, amsgrad):
 @pytest.mark.parametrize("backend", _gpu.cuda_backends())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16-master"])
 def test_grad_scaler_skips_steps_with_inf(backend, dtype):
-    model, ref = _mlp(1, dtype), _mlp(1, dtype)
+    """Our kernel and the reference backend run the same contract: bit for bit along the whole run. torch's
+    fused kernel rounds its update differently (measured on an H200: 3.3e-5 relative on 1 of 1419 elements
+    after 3 steps at lr 1e-2, the trajectories feeding back through the gradients): close, not equal."""
+    model, ref, rb = _mlp(1, dtype), _mlp(1, dtype), _mlp(1, dtype)
     oz = zk.FusedAdamW(model.parameters(), lr=1e-2, backend=backend)
     ot = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
-    sz, st = (torch.amp.GradScaler("cuda", init_scale=2.0 ** 8) for _ in range(2))
+    orb = zk.FusedAdamW(rb.parameters(), lr=1e-2, backend="reference")
+    sz, st, srb = (torch.amp.GradScaler("cuda", init_scale=2.0 ** 8) for _ in range(3))
     x = torch.randn(16, 37, device="cuda", dtype=dtype)
     for step in range(4):
-        for m, opt, scaler in ((model, oz, sz), (ref, ot, st)):
+        for m, opt, scaler in ((model, oz, sz), (ref, ot, st), (rb, orb, srb)):
             opt.zero_grad()
             scaler.scale(m(x).float().square().mean()).backward()
             if step == 2:
@@ -62,11 +66,12 @@ def test_grad_scaler_skips_steps_with_inf(backend, dtype):
             scaler.update()
             if step == 2:
                 assert all(torch.equal(p, q) for p, q in zip(m.parameters(), snap)), "inf step changed a parameter"
-    assert sz.get_scale() == st.get_scale() == 2.0 ** 7
-    for p, q in zip(model.parameters(), ref.parameters()):
+    assert sz.get_scale() == st.get_scale() == srb.get_scale() == 2.0 ** 7
+    for p, q, r in zip(model.parameters(), ref.parameters(), rb.parameters()):
         assert float(oz.state[p]["step"]) == float(ot.state[q]["step"]) == 3
+        assert _gpu.equal_bits(p.detach(), r.detach()), "the kernel left the reference backend's trajectory"
         if dtype == torch.float32:
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", _gpu.cuda_backends())
