@@ -330,6 +330,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=10, help="timed steps per candidate per round")
     ap.add_argument("--csv", default=None, help="also write the rows to this CSV file")
     ap.add_argument("--profile", action="store_true", help="also print each candidate's CUDA kernels (torch.profiler)")
+    ap.add_argument("--candidates", default=None, help="comma-separated substrings: run only matching candidates")
     args = ap.parse_args(argv)
     try:
         import torch
@@ -347,6 +348,8 @@ def main(argv=None) -> int:
           f"L2 {getattr(props, 'L2_cache_size', 0) / 2**20:.0f} MiB), torch {torch.__version__}, "
           f"{datetime.date.today().isoformat()}; medians of {args.rounds} rounds x {args.repeats} steps")
     builders = candidate_builders()
+    if args.candidates:
+        builders = {k: v for k, v in builders.items() if any(c in k for c in args.candidates.split(","))}
     rows = []
     for w in args.workloads.split(","):
         for m in args.modes.split(","):

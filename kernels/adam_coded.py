@@ -196,7 +196,8 @@ def _row(e: CodedEntry) -> list[int]:
 def adam_step_coded_triton(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]],
                            seeds: list[int], *, lr, beta1: float, beta2: float, eps: float, weight_decay: float,
                            adamw: bool, maximize: bool = False, grad_scale: Tensor | None = None,
-                           found_inf: Tensor | None = None, index_offsets: list[int] | None = None) -> None:
+                           found_inf: Tensor | None = None, index_offsets: list[int] | None = None,
+                           step_buffer: Tensor | None = None) -> None:
     """``codecs.adam_step_coded`` for every (param, grad, state, seed[, index offset]), in place: one launch per
     (grad dtype,
     param dtype, state kinds). ``grad_scale`` multiplies the gradient; a nonzero ``found_inf`` changes
@@ -207,7 +208,7 @@ def adam_step_coded_triton(params: list[Tensor], grads: list[Tensor], states: li
         return
     device = params[0].device
     step = prepare(params, grads, states, seeds, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-                   adamw=adamw, found_inf=found_inf, index_offsets=index_offsets)
+                   adamw=adamw, found_inf=found_inf, index_offsets=index_offsets, step_buffer=step_buffer)
     for key, idx in step.groups.items():
         _launch(key, idx, [_row(step.entries[i]) for i in idx], [params[i].numel() for i in idx], step.coeffs,
                 step.keys, device, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,

@@ -227,6 +227,39 @@ def test_bad_state_raises_before_any_change():
     assert all(torch.equal(bits(v), bits(o.state[ps[0]][k])) for k, v in before[1].items())
 
 
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_cached_plan_equals_a_plan_rebuilt_every_step(backend):
+    """[Note: launch plans] for coded states: a step reuses its group's plan (no per-state check, one add on the
+    packed step counters) while nothing moved; the results are those of an optimizer whose plans are dropped
+    before every step, bit for bit, through steps without some gradients (the plan is rebuilt: its signature
+    changed) and a parameter added by add_param_group."""
+    runs = []
+    for rebuild in (False, True):
+        ps = params_of(21, BF, [(300,), (1003,), (20,)])
+        o = zk.FusedAdamW(ps[:2], lr=1e-2, backend=backend, exp_avg_dtype=U8, exp_avg_sq_dtype=BF,
+                          store_param_remainders=True)
+        for step in range(6):
+            if step == 3:
+                o.add_param_group(dict(params=[ps[2]], lr=3e-3))
+            for i, (p, g) in enumerate(zip(ps, grads_of(21, step, ps))):
+                p.grad = None if (step == 2 and i == 1) else g
+            if rebuild:
+                o._plans.clear()
+            plan = o._plans.get(0)
+            o.step()
+            if not rebuild and step in (1, 5):      # nothing moved since the last step: the same plan, reused
+                assert o._plans[0] is plan
+        st = [o.state[p] for p in ps]
+        assert [float(s["step"]) for s in st] == [6.0, 5.0, 3.0]
+        if not rebuild:                             # one buffer per work item: the counters are its views
+            assert st[0]["step"]._base is not None and st[0]["step"]._base is st[1]["step"]._base
+        runs.append((ps, st))
+    (pa, sa), (pb, sb) = runs
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(pa, pb))
+    for x, y in zip(sa, sb):
+        assert x.keys() == y.keys() and all(torch.equal(bits(x[k]), bits(y[k])) for k in x)
+
+
 @pytest.mark.parametrize("backend", CODED_BACKENDS)
 def test_state_dict_round_trip_resumes_bit_for_bit(backend):
     """state_dict() holds plain tensors (torch.load(weights_only=True)), keys of [Note: coded state dicts];

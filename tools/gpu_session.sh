@@ -4,6 +4,7 @@
 #   bash tools/gpu_session.sh                 # on a machine with a CUDA GPU, from the repository root
 #   BUDGET_S=420 BENCH_ARGS="--workloads llama7b-layer" bash tools/gpu_session.sh
 #   PYTEST_K="f8 or zero" SKIP_BENCH=1 bash tools/gpu_session.sh     # a rerun of some tests only
+#   NCU=1 bash tools/gpu_session.sh          # then Nsight Compute on one launch of the step kernels (llama7b-layer)
 #
 # 1. The extension (C++ + CUDA, TORCH_CUDA_ARCH_LIST, default 9.0) is JIT-built in the background while
 #    2. tests/gpu runs with the Triton backend (the CUDA-backend cases skip with ZERO_KERNELS_NO_JIT=1), then
@@ -74,6 +75,19 @@ fi
 t0=$SECONDS
 timeout "$(left 5)" python3 bench/gpu.py --csv "$OUT/bench.csv" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
 echo "bench rc=$? in $((SECONDS - t0)) s"
+
+# 5. Nsight Compute (clocks left as they are): speed of light, memory, occupancy, warp stalls of one launch
+if [ -n "${NCU:-}" ] && command -v ncu > /dev/null; then
+  for spec in "8bit:zero_kernels triton" "8bit:zero_kernels cuda" "bf16-master:zero_kernels triton"; do
+    mode=${spec%%:*}; cand=${spec#*:}; f="$OUT/ncu_${mode}_${cand##* }.txt"
+    timeout "$(left 5)" ncu --clock-control none --kernel-name regex:fused_adam --launch-skip 3 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+      --section LaunchStats python3 bench/gpu.py --workloads llama7b-layer --modes "$mode" --rounds 1 --repeats 2 \
+      --candidates "$cand" > "$f" 2>&1
+    echo "ncu $mode $cand rc=$?"
+    grep -E "Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Registers Per|Shared Memory Config|Stall" "$f" | head -12
+  done
+fi
 sed -n '/All rows/,$p' "$OUT/bench.log" | cut -c1-200
 [ -s "$OUT/bench.log" ] && ! grep -q "All rows" "$OUT/bench.log" && tail -40 "$OUT/bench.log" | cut -c1-200
 exit 0

@@ -60,14 +60,19 @@ class CodedStep:
 
 def prepare(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]], seeds: list[int], *,
             lr, beta1: float, beta2: float, weight_decay: float, adamw: bool,
-            found_inf: Tensor | None = None, index_offsets: list[int] | None = None) -> CodedStep:
+            found_inf: Tensor | None = None, index_offsets: list[int] | None = None,
+            step_buffer: Tensor | None = None) -> CodedStep:
     """Increment every state's step (by 1 - found_inf) and build the kernels' arguments (see the module doc).
     ``index_offsets``: flat index of each tensor's element 0 in its full tensor (a ZeRO slice's offset; the
-    stochastic-rounding bits are keyed by it), default 0."""
+    stochastic-rounding bits are keyed by it), default 0. ``step_buffer``: a 1-D fp32 buffer whose element k
+    IS ``states[k]["step"]`` (its view, [Note: launch plans]): one in-place add increments them all."""
     device = params[0].device
-    steps = torch.stack([s["step"].reshape(()) for s in states])
-    steps.add_(1.0 if found_inf is None else 1.0 - found_inf.to(device, torch.float32).reshape(()))
-    torch._foreach_copy_([s["step"] for s in states], list(steps.unbind()))    # one launch, not one per tensor
+    inc = 1.0 if found_inf is None else 1.0 - found_inf.to(device, torch.float32).reshape(())
+    if step_buffer is not None:
+        steps = step_buffer.add_(inc)
+    else:
+        steps = torch.stack([s["step"].reshape(()) for s in states]).add_(inc)
+        torch._foreach_copy_([s["step"] for s in states], list(steps.unbind()))    # one launch, not one per tensor
     coeffs = compute_coeffs(steps, lr, beta1, beta2, weight_decay, adamw, device=device)
     offs = torch.zeros(len(states), dtype=torch.int64, device=device) if index_offsets is None else \
         torch.tensor(index_offsets, dtype=torch.int64, device=device)
@@ -95,13 +100,14 @@ def prepare(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Te
 def run_extension(fn: Callable[..., None], params: list[Tensor], grads: list[Tensor],
                   states: list[dict[str, Tensor]], seeds: list[int], *, lr, beta1: float, beta2: float, eps: float,
                   weight_decay: float, adamw: bool, maximize: bool = False, grad_scale: Tensor | None = None,
-                  found_inf: Tensor | None = None, index_offsets: list[int] | None = None) -> None:
+                  found_inf: Tensor | None = None, index_offsets: list[int] | None = None,
+                  step_buffer: Tensor | None = None) -> None:
     """``codecs.adam_step_coded`` for every (param, grad, state, seed[, index offset]) through a C++ entry point of the
     ZK_CODED_ADAM_ARGS contract (``_ext.fused_adam_coded_cpu`` / ``_cuda``): one call per layout group."""
     if not params:
         return
     step = prepare(params, grads, states, seeds, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-                   adamw=adamw, found_inf=found_inf, index_offsets=index_offsets)
+                   adamw=adamw, found_inf=found_inf, index_offsets=index_offsets, step_buffer=step_buffer)
     device = params[0].device
     gs = None if grad_scale is None else grad_scale.to(device, torch.float32).reshape(1)
     fi = None if found_inf is None else found_inf.to(device, torch.float32).reshape(1)

@@ -80,15 +80,14 @@ class GroupPlan:
         return not self.writebacks
 
     def snapshot(self) -> None:
-        self.state_values = [v for st in self.states for v in st.values()]
+        self.state_values = state_values(self.states)
 
     def matches(self, sig: list, epoch: int, amsgrad: bool) -> bool:
         """Same signature and epoch, and no state tensor replaced since (``opt.state[p]["exp_avg"] =
         ...``): identity checks only, no tensor comparison."""
         if self.epoch != epoch or self.amsgrad != amsgrad or self.signature != sig:
             return False
-        now = [v for st in self.states for v in st.values()]
-        return len(now) == len(self.state_values) and all(map(operator.is_, now, self.state_values))
+        return states_unchanged(self.states, self.state_values)
 
     def grads_for(self, launch: Launch, grads: list[Tensor | None]) -> list[Tensor]:
         gs = [grads[i] for i in launch.index]
@@ -97,6 +96,17 @@ class GroupPlan:
         if not self.contiguous_grads:
             gs = [g if g.is_contiguous() else g.contiguous() for g in gs]
         return gs
+
+
+def state_values(states: list[dict]) -> list:
+    """Every value of every state dict, in order: what a plan snapshots."""
+    return [v for st in states for v in st.values()]
+
+
+def states_unchanged(states: list[dict], snapshot: list) -> bool:
+    """No state value added, removed or replaced since ``snapshot`` (identity checks only)."""
+    now = state_values(states)
+    return len(now) == len(snapshot) and all(map(operator.is_, now, snapshot))
 
 
 def packed_steps(steps: list[Tensor], device: torch.device) -> Tensor:

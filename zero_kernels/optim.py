@@ -272,9 +272,7 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
 
     def _prepare(self) -> list[tuple[dict[str, Any], list[Tensor | None], GroupPlan]]:
         """(group, gradients, plan) of every group: all checked before any state or plan is created."""
-        states = list(self.state.values())   # a state dict replaced by the user: rebuild the plans
-        if len(states) != len(self._state_dicts) or not all(map(operator.is_, states, self._state_dicts)):
-            self._epoch += 1
+        self._bump_epoch_if_states_replaced()
         work = []
         for gi, group in enumerate(self.param_groups):
             grads = [p.grad for p in group["params"]]
@@ -355,13 +353,37 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
             dst.copy_(tmp)
 
     def _step_coded(self, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
-        """A step on coded states ([Note: coded state dicts]): every check of every group first."""
+        """A step on coded states ([Note: coded state dicts]): every check of every group first; plans as the
+        fp32 path's ([Note: launch plans]), rebuilt (and every state checked) when anything moved."""
+        self._bump_epoch_if_states_replaced()
+        plans, build = {}, {}
         for gi, group in enumerate(self.param_groups):
+            grads = [p.grad for p in group["params"]]
+            sig = signature(group["params"], grads)
+            plan = self._plans.get(gi)
             check_scalars(gi, group)
-            check_grads(type(self).__name__, gi, group, [p.grad for p in group["params"]])
-        for group, device, params, seeds in optim_coded.coded_work(self.param_groups, self.state, self._format):
-            optim_coded.step_coded(self._resolved.get(device) or self._resolve(device), params,
-                                   [self.state[p] for p in params], seeds, group, grad_scale, found_inf)
+            if isinstance(plan, optim_coded.CodedPlan) and plan.matches(sig, self._epoch):
+                plans[gi] = plan
+            else:
+                check_grads(type(self).__name__, gi, group, grads)
+                build[gi] = sig
+        if build:
+            for gi, plan in optim_coded.coded_plans(self.param_groups, self.state, self._format, build,
+                                                    self._epoch).items():
+                plans[gi] = plan
+                if plan.cacheable:
+                    self._plans[gi] = plan
+            self._state_dicts = list(self.state.values())
+        for gi in sorted(plans):
+            for w in plans[gi].work:
+                optim_coded.step_coded(self._resolved.get(w.device) or self._resolve(w.device), w,
+                                       self.param_groups[gi], grad_scale, found_inf)
+
+    def _bump_epoch_if_states_replaced(self) -> None:
+        """A state dict replaced by the user (``opt.state[p] = {...}``): every plan is rebuilt."""
+        states = list(self.state.values())
+        if len(states) != len(self._state_dicts) or not all(map(operator.is_, states, self._state_dicts)):
+            self._epoch += 1
 
     @staticmethod
     def _launch(group: dict[str, Any], fn: Callable[..., None], steps: Tensor, masters: list[Tensor],

@@ -35,17 +35,18 @@ the fp32 path's one fallback warning (``_ext.warn_fallback_once``), or after a w
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from . import _coded_host, backends, codecs
-from ._launch_plan import local
+from ._launch_plan import local, packed_steps, state_values, states_unchanged
 from .hparams import StateFormat, as_float, scalar_lr
 
 __all__ = ["new_state", "state_problem", "convert_state", "convert_state_dict", "is_coded_state", "resolve_backend",
-           "coded_work", "step_coded", "run_coded", "group_hparams"]
+           "CodedWork", "CodedPlan", "coded_plans", "step_coded", "run_coded", "group_hparams"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _STREAM = {"exp_avg": 0, "exp_avg_sq": 1}
@@ -182,14 +183,44 @@ def convert_state_dict(state_dict: dict[str, Any], param_groups: list[dict], fmt
     return {**state_dict, "state": out}
 
 
-def coded_work(param_groups: list[dict], state: dict, fmt: StateFormat) -> list[tuple]:
-    """[(group, device, params with a gradient, their seeds)] after checking every existing state (RuntimeError,
-    nothing changed); then creates the missing states."""
+@dataclass
+class CodedWork:
+    """One kernel group of a step: a parameter group's parameters with a gradient on one device."""
+    device: torch.device
+    params: list[Tensor]
+    seeds: list[int]                    # stochastic-rounding seeds: positions in the optimizer's order
+    states: list[dict[str, Tensor]]
+    steps: Tensor | None                # 1-D buffer; states[k]["step"] is steps[k] (packed_steps)
+
+
+@dataclass
+class CodedPlan:
+    """[Note: launch plans] for coded states: a group's CodedWork, kept while the group's signature, the
+    optimizer's epoch and every state tensor (identity) stay as they were when it was built."""
+    signature: list
+    epoch: int
+    work: list[CodedWork]
+    cacheable: bool                     # False with a non-contiguous parameter (updated through a copy)
+    state_values: list = field(default_factory=list)
+
+    def snapshot(self) -> None:
+        self.state_values = state_values([st for w in self.work for st in w.states])
+
+    def matches(self, sig: list, epoch: int) -> bool:
+        return (self.epoch == epoch and self.signature == sig
+                and states_unchanged([st for w in self.work for st in w.states], self.state_values))
+
+
+def coded_plans(param_groups: list[dict], state: dict, fmt: StateFormat, build: dict[int, list],
+                epoch: int) -> dict[int, CodedPlan]:
+    """A CodedPlan for each group index of ``build`` (-> its signature): every existing state of those groups
+    checked first (RuntimeError, nothing changed), then the missing states created and each work item's step
+    counters packed into one buffer (the states' ``step`` become its views, as the fp32 path's)."""
     order = {id(p): i for i, p in enumerate(p for g in param_groups for p in g["params"])}
-    work = []
-    for gi, group in enumerate(param_groups):
+    work: dict[int, list[tuple[torch.device, list[Tensor]]]] = {}
+    for gi in build:
         by_device: dict[torch.device, list[Tensor]] = {}
-        for pi, p in enumerate(group["params"]):
+        for pi, p in enumerate(param_groups[gi]["params"]):
             if p.grad is None:
                 continue
             st = state.get(p)
@@ -197,12 +228,23 @@ def coded_work(param_groups: list[dict], state: dict, fmt: StateFormat) -> list[
             if why is not None:
                 raise RuntimeError(f"{why}. No parameter was updated.")
             by_device.setdefault(p.device, []).append(p)
-        work += [(group, dev, ps, [order[id(p)] for p in ps]) for dev, ps in by_device.items()]
-    for _, _, ps, _ in work:
-        for p in ps:
-            if not state.get(p):
-                state[p] = new_state(p, fmt)
-    return work
+        work[gi] = list(by_device.items())
+    plans = {}
+    for gi, items in work.items():
+        plan = CodedPlan(build[gi], epoch, [], cacheable=all(p.is_contiguous() for _, ps in items for p in ps))
+        for dev, ps in items:
+            for p in ps:
+                if not state.get(p):
+                    state[p] = new_state(p, fmt)
+            sts = [state[p] for p in ps]
+            steps = packed_steps([st["step"] for st in sts], dev)
+            if sts and sts[0]["step"]._base is not steps:       # a new buffer: its views become the steps
+                for k, st in enumerate(sts):
+                    st["step"] = steps[k]
+            plan.work.append(CodedWork(dev, ps, [order[id(p)] for p in ps], sts, steps))
+        plan.snapshot()
+        plans[gi] = plan
+    return plans
 
 
 def _cuda_kernel_missing() -> str | None:
@@ -237,15 +279,15 @@ def resolve_backend(request: str, device: torch.device) -> str:
     return backends.resolve("auto", device)                # cpu, or the reference after the fallback warning
 
 
-def step_coded(backend: str, params: list[Tensor], states: list[dict[str, Tensor]], seeds: list[int],
-               group: dict[str, Any], grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
-    """One step of one parameter group's coded states (all on one device) on ``backend``; ``grad_scale`` is
-    GradScaler's loss scale (the gradients are divided by it), ``found_inf`` nonzero skips the step."""
-    device = params[0].device
-    gs = None if grad_scale is None else grad_scale.to(device, torch.float32).reshape(1).reciprocal()
-    fi = None if found_inf is None else found_inf.to(device, torch.float32).reshape(1)
-    run_coded(backend, [p.detach() for p in params], [local(p.grad) for p in params], states, seeds, None,
-              group_hparams(group, bool(group["decoupled_weight_decay"])), grad_scale=gs, found_inf=fi)
+def step_coded(backend: str, w: CodedWork, group: dict[str, Any], grad_scale: Tensor | None,
+               found_inf: Tensor | None) -> None:
+    """One step of one work item's coded states on ``backend``; ``grad_scale`` is GradScaler's loss scale (the
+    gradients are divided by it), ``found_inf`` nonzero skips the step."""
+    gs = None if grad_scale is None else grad_scale.to(w.device, torch.float32).reshape(1).reciprocal()
+    fi = None if found_inf is None else found_inf.to(w.device, torch.float32).reshape(1)
+    run_coded(backend, [p.detach() for p in w.params], [local(p.grad) for p in w.params], w.states, w.seeds, None,
+              group_hparams(group, bool(group["decoupled_weight_decay"])), grad_scale=gs, found_inf=fi,
+              step_buffer=w.steps)
 
 
 def group_hparams(group: dict[str, Any], adamw: bool) -> dict[str, Any]:
@@ -258,20 +300,21 @@ def group_hparams(group: dict[str, Any], adamw: bool) -> dict[str, Any]:
 
 def run_coded(backend: str, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]],
               seeds: list[int], index_offsets: list[int] | None, hp: dict[str, Any], *,
-              grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
+              grad_scale: Tensor | None, found_inf: Tensor | None, step_buffer: Tensor | None = None) -> None:
     """``codecs.adam_step_coded`` of every (param, grad, state, seed, index offset) on ``backend``; ``hp``: lr,
-    beta1, beta2, eps, weight_decay, adamw, maximize; ``grad_scale`` multiplies the gradients."""
+    beta1, beta2, eps, weight_decay, adamw, maximize; ``grad_scale`` multiplies the gradients; ``step_buffer``:
+    see ``_coded_host.prepare``."""
     offsets = index_offsets or [0] * len(params)
     if backend == "triton":
         from .kernels.adam_coded import adam_step_coded_triton   # triton is optional: imported when used
         adam_step_coded_triton(params, grads, states, seeds, grad_scale=grad_scale, found_inf=found_inf,
-                               index_offsets=offsets, **hp)
+                               index_offsets=offsets, step_buffer=step_buffer, **hp)
         return
     if backend in _C_KERNELS:
         from . import _ext
         fn = _ext.fused_adam_coded_cpu if backend == "cpu" else _ext.fused_adam_coded_cuda
         _coded_host.run_extension(fn, params, grads, states, seeds, grad_scale=grad_scale, found_inf=found_inf,
-                                  index_offsets=offsets, **hp)
+                                  index_offsets=offsets, step_buffer=step_buffer, **hp)
         return
     for p, g, st, seed, off in zip(params, grads, states, seeds, offsets):
         codecs.adam_step_coded(p, g, st, seed=seed, index_offset=off, grad_scale=grad_scale, found_inf=found_inf,
