@@ -25,12 +25,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .._coded_host import CodedEntry, prepare
+from .._coded_host import CodedEntry, group_arrays, prepare
 from ..reference import moment_coeffs
 from ._codecs import (F8_MAX, QBLOCK, block_absmax, decode_bf16, decode_f8, decode_m8, decode_v8, encode_bf16_sr,
                       encode_f8, encode_m8, encode_v8, join_remainder, ld, scaled, split_remainder, st)
-from ._multi_tensor import (chunk_map, device_guard, pointer_table, program_chunk, round_bf16_bits, typed_pointer,
-                            upload)
+from ._multi_tensor import chunk_map, device_guard, pointer_table, program_chunk, round_bf16_bits, typed_pointer
 from .adam import LAUNCH_OPTIONS, adam_update
 
 BLOCK = 1024
@@ -197,34 +196,48 @@ def adam_step_coded_triton(params: list[Tensor], grads: list[Tensor], states: li
                            seeds: list[int], *, lr, beta1: float, beta2: float, eps: float, weight_decay: float,
                            adamw: bool, maximize: bool = False, grad_scale: Tensor | None = None,
                            found_inf: Tensor | None = None, index_offsets: list[int] | None = None,
-                           step_buffer: Tensor | None = None) -> None:
+                           step_buffer: Tensor | None = None, cache: dict | None = None) -> None:
     """``codecs.adam_step_coded`` for every (param, grad, state, seed[, index offset]), in place: one launch per
     (grad dtype,
     param dtype, state kinds). ``grad_scale`` multiplies the gradient; a nonzero ``found_inf`` changes
     nothing but is still counted as torch counts it (the step is incremented by 1 - found_inf). The host
     side (steps, coefficients, keys, grouping) is ``zero_kernels._coded_host.prepare``, shared with the C++
-    kernels."""
+    kernels; ``cache`` (a launch plan's) also keeps each group's pointer rows, whose gradient column alone is
+    refilled per step."""
     if not params:
         return
     device = params[0].device
     step = prepare(params, grads, states, seeds, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-                   adamw=adamw, found_inf=found_inf, index_offsets=index_offsets, step_buffer=step_buffer)
+                   adamw=adamw, found_inf=found_inf, index_offsets=index_offsets, step_buffer=step_buffer,
+                   cache=cache)
     for key, idx in step.groups.items():
-        _launch(key, idx, [_row(step.entries[i]) for i in idx], [params[i].numel() for i in idx], step.coeffs,
-                step.keys, device, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
-                maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
+        rows = None if cache is None or step.writebacks else cache.get(("rows", key))
+        if rows is None:
+            rows = [x for i in idx for x in _row(step.entries[i])]
+            if cache is not None and not step.writebacks:
+                cache[("rows", key)] = rows
+        else:                                  # this step's gradients and parameters (see prepare)
+            es = [step.entries[i] for i in idx]
+            rows[1::_COLS] = [e.grad.data_ptr() for e in es]
+            for j, e in enumerate(es):
+                if e.param16 is None:
+                    rows[_COLS * j] = e.master.data_ptr()
+                else:
+                    rows[_COLS * j + 6] = e.param16.data_ptr()
+        c, k = group_arrays(step, key, idx, cache)
+        _launch(key, rows, [params[i].numel() for i in idx], c, k, device, beta1=beta1, beta2=beta2, eps=eps,
+                weight_decay=weight_decay, adamw=adamw, maximize=maximize, grad_scale=grad_scale,
+                found_inf=found_inf)
     step.finish()
 
 
-def _launch(key: tuple, idx: list[int], rows: list[list[int]], numels: list[int], coeffs: Tensor, keys: Tensor,
-            device: torch.device, *, beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf) -> None:
+def _launch(key: tuple, rows: list[int], numels: list[int], c: Tensor, k: Tensor, device: torch.device, *,
+            beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf) -> None:
     grad_dtype, p16_dtype, master_kind, m_dtype, v_dtype = key
-    table = pointer_table([x for r in rows for x in r], device)
+    table = pointer_table(rows, device)
     numels_t, chunk_tensor, chunk_start = chunk_map(tuple(numels), CHUNK, device)
     if chunk_tensor.numel() == 0:
         return
-    index = upload(idx, torch.int64, device)
-    c, k = coeffs.index_select(0, index).contiguous(), keys.index_select(0, index).contiguous()
     gs = grad_scale.to(device, torch.float32) if grad_scale is not None else c
     fi = found_inf.to(device, torch.float32) if found_inf is not None else c
     one_minus_beta1, one_minus_beta2 = moment_coeffs(beta1, beta2)

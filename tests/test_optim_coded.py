@@ -228,19 +228,24 @@ def test_bad_state_raises_before_any_change():
 
 
 @pytest.mark.parametrize("backend", ["triton", "cpu"])
-def test_cached_plan_equals_a_plan_rebuilt_every_step(backend):
+@pytest.mark.parametrize("dtype", [BF, F32], ids=["bf16+rem", "fp32"])
+def test_cached_plan_equals_a_plan_rebuilt_every_step(backend, dtype):
     """[Note: launch plans] for coded states: a step reuses its group's plan (no per-state check, one add on the
     packed step counters) while nothing moved; the results are those of an optimizer whose plans are dropped
     before every step, bit for bit, through steps without some gradients (the plan is rebuilt: its signature
-    changed) and a parameter added by add_param_group."""
+    changed), a parameter added by add_param_group, and parameters whose storage was replaced (``p.data = ...``:
+    the plan keeps no parameter's pointer)."""
     runs = []
     for rebuild in (False, True):
-        ps = params_of(21, BF, [(300,), (1003,), (20,)])
+        ps = params_of(21, dtype, [(300,), (1003,), (20,)])
         o = zk.FusedAdamW(ps[:2], lr=1e-2, backend=backend, exp_avg_dtype=U8, exp_avg_sq_dtype=BF,
-                          store_param_remainders=True)
+                          store_param_remainders=dtype == BF)
         for step in range(6):
             if step == 3:
                 o.add_param_group(dict(params=[ps[2]], lr=3e-3))
+            if step == 5:
+                for p in (ps[0], ps[2]):
+                    p.data = p.data.clone()
             for i, (p, g) in enumerate(zip(ps, grads_of(21, step, ps))):
                 p.grad = None if (step == 2 and i == 1) else g
             if rebuild:

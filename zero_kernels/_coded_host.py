@@ -20,7 +20,7 @@ from torch import Tensor
 from . import codecs
 from .reference import compute_coeffs
 
-__all__ = ["CodedEntry", "CodedStep", "prepare", "run_extension"]
+__all__ = ["CodedEntry", "CodedStep", "prepare", "group_arrays", "run_extension"]
 
 MASTER_FP32, MASTER_REMAINDER = 0, 1
 
@@ -61,11 +61,13 @@ class CodedStep:
 def prepare(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]], seeds: list[int], *,
             lr, beta1: float, beta2: float, weight_decay: float, adamw: bool,
             found_inf: Tensor | None = None, index_offsets: list[int] | None = None,
-            step_buffer: Tensor | None = None) -> CodedStep:
+            step_buffer: Tensor | None = None, cache: dict | None = None) -> CodedStep:
     """Increment every state's step (by 1 - found_inf) and build the kernels' arguments (see the module doc).
     ``index_offsets``: flat index of each tensor's element 0 in its full tensor (a ZeRO slice's offset; the
     stochastic-rounding bits are keyed by it), default 0. ``step_buffer``: a 1-D fp32 buffer whose element k
-    IS ``states[k]["step"]`` (its view, [Note: launch plans]): one in-place add increments them all."""
+    IS ``states[k]["step"]`` (its view, [Note: launch plans]): one in-place add increments them all.
+    ``cache``: a dict owned by a launch plan, valid while the plan is (same parameters, states, gradient
+    layouts): what depends on those alone (entries, groups, key tensors) is built once and kept there."""
     device = params[0].device
     inc = 1.0 if found_inf is None else 1.0 - found_inf.to(device, torch.float32).reshape(())
     if step_buffer is not None:
@@ -74,15 +76,18 @@ def prepare(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Te
         steps = torch.stack([s["step"].reshape(()) for s in states]).add_(inc)
         torch._foreach_copy_([s["step"] for s in states], list(steps.unbind()))    # one launch, not one per tensor
     coeffs = compute_coeffs(steps, lr, beta1, beta2, weight_decay, adamw, device=device)
-    offs = torch.zeros(len(states), dtype=torch.int64, device=device) if index_offsets is None else \
-        torch.tensor(index_offsets, dtype=torch.int64, device=device)
-    if any(s[k].dtype == torch.bfloat16 for s in states for k in ("exp_avg", "exp_avg_sq")):
-        seed_t, step_i = torch.tensor(seeds, dtype=torch.int64, device=device), steps.to(torch.int64)
-        keys = torch.stack([codecs.sr_key(seed_t, step_i, 0), codecs.sr_key(seed_t, step_i, 1), offs], dim=1)
-    else:                                      # no stochastic rounding: the kernels do not read the keys
-        keys = torch.stack([torch.zeros_like(offs), torch.zeros_like(offs), offs], dim=1)
-    keys = keys.contiguous()
-    step = CodedStep([], coeffs, keys, {})
+    cache = {} if cache is None else cache
+    if "entries" in cache:                     # the plan's entries; this step's gradients and parameters (whose
+        step = CodedStep(cache["entries"], coeffs, _keys(cache, steps, states, seeds, index_offsets, device),
+                         cache["groups"])        # storage ``p.data = ...`` may have replaced)
+        for e, p, g in zip(step.entries, params, grads):
+            e.grad = g if g.is_contiguous() else g.contiguous()
+            if e.param16 is None:
+                e.master = p
+            else:
+                e.param16 = p
+        return step
+    step = CodedStep([], coeffs, _keys(cache, steps, states, seeds, index_offsets, device), {})
     for i, (p, g, s) in enumerate(zip(params, grads, states)):
         if not p.is_contiguous():
             tmp = p.detach().contiguous()
@@ -94,31 +99,65 @@ def prepare(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Te
                        exp_avg_sq_scale=s.get("exp_avg_sq_scale"), param16=None if master is p else p.detach())
         step.entries.append(e)
         step.groups.setdefault(e.layout, []).append(i)
+    if not step.writebacks:                    # entries of contiguous copies are never reused
+        cache["entries"], cache["groups"] = step.entries, step.groups
     return step
+
+
+def _keys(cache: dict, steps: Tensor, states: list[dict[str, Tensor]], seeds: list[int],
+          index_offsets: list[int] | None, device: torch.device) -> Tensor:
+    """int64 [T, 3] (m SR key, v SR key, flat index of element 0): the same tensor every step without a bf16
+    moment (no stochastic rounding: the kernels read only the index), else the keys of this step's counts."""
+    if "sr" not in cache:
+        cache["sr"] = any(s[k].dtype == torch.bfloat16 for s in states for k in ("exp_avg", "exp_avg_sq"))
+        cache["offs"] = torch.zeros(len(states), dtype=torch.int64, device=device) if index_offsets is None else \
+            torch.tensor(index_offsets, dtype=torch.int64, device=device)
+        if not cache["sr"]:
+            zeros = torch.zeros_like(cache["offs"])
+            cache["keys"] = torch.stack([zeros, zeros, cache["offs"]], dim=1).contiguous()
+        else:
+            cache["seeds"] = torch.tensor(seeds, dtype=torch.int64, device=device)
+    if not cache["sr"]:
+        return cache["keys"]
+    step_i = steps.to(torch.int64)
+    return torch.stack([codecs.sr_key(cache["seeds"], step_i, 0), codecs.sr_key(cache["seeds"], step_i, 1),
+                        cache["offs"]], dim=1).contiguous()
+
+
+def group_arrays(step: CodedStep, key: tuple, idx: list[int], cache: dict | None) -> tuple[Tensor, Tensor]:
+    """(coeffs, keys) rows of layout group ``key`` (the tensors ``idx``): the step's own tensors when the group
+    is every tensor in order, else their rows (index_select; the index tensor is kept in ``cache``)."""
+    if idx == list(range(len(step.entries))):
+        return step.coeffs, step.keys
+    cache = {} if cache is None else cache
+    index = cache.get(("index", key))
+    if index is None:
+        index = cache[("index", key)] = torch.tensor(idx, dtype=torch.int64).to(step.coeffs.device)
+    return step.coeffs.index_select(0, index).contiguous(), step.keys.index_select(0, index).contiguous()
 
 
 def run_extension(fn: Callable[..., None], params: list[Tensor], grads: list[Tensor],
                   states: list[dict[str, Tensor]], seeds: list[int], *, lr, beta1: float, beta2: float, eps: float,
                   weight_decay: float, adamw: bool, maximize: bool = False, grad_scale: Tensor | None = None,
                   found_inf: Tensor | None = None, index_offsets: list[int] | None = None,
-                  step_buffer: Tensor | None = None) -> None:
+                  step_buffer: Tensor | None = None, cache: dict | None = None) -> None:
     """``codecs.adam_step_coded`` for every (param, grad, state, seed[, index offset]) through a C++ entry point of the
     ZK_CODED_ADAM_ARGS contract (``_ext.fused_adam_coded_cpu`` / ``_cuda``): one call per layout group."""
     if not params:
         return
     step = prepare(params, grads, states, seeds, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-                   adamw=adamw, found_inf=found_inf, index_offsets=index_offsets, step_buffer=step_buffer)
+                   adamw=adamw, found_inf=found_inf, index_offsets=index_offsets, step_buffer=step_buffer,
+                   cache=cache)
     device = params[0].device
     gs = None if grad_scale is None else grad_scale.to(device, torch.float32).reshape(1)
     fi = None if found_inf is None else found_inf.to(device, torch.float32).reshape(1)
-    for idx in step.groups.values():
+    for key, idx in step.groups.items():
         es = [step.entries[i] for i in idx]
-        index = torch.tensor(idx, dtype=torch.int64, device=device)
+        c, k = group_arrays(step, key, idx, cache)
         fn([e.master for e in es], [e.grad for e in es], [e.exp_avg for e in es], [e.exp_avg_sq for e in es],
            [e.exp_avg_scale for e in es if e.exp_avg_scale is not None],
            [e.exp_avg_sq_scale for e in es if e.exp_avg_sq_scale is not None],
-           [e.param16 for e in es if e.param16 is not None],
-           step.coeffs.index_select(0, index).contiguous(), step.keys.index_select(0, index).contiguous(),
+           [e.param16 for e in es if e.param16 is not None], c, k,
            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
            maximize=maximize, grad_scale=gs, found_inf=fi)
     step.finish()

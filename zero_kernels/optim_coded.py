@@ -191,6 +191,7 @@ class CodedWork:
     seeds: list[int]                    # stochastic-rounding seeds: positions in the optimizer's order
     states: list[dict[str, Tensor]]
     steps: Tensor | None                # 1-D buffer; states[k]["step"] is steps[k] (packed_steps)
+    cache: dict = field(default_factory=dict)   # the host side's per-plan arguments (_coded_host.prepare)
 
 
 @dataclass
@@ -287,7 +288,7 @@ def step_coded(backend: str, w: CodedWork, group: dict[str, Any], grad_scale: Te
     fi = None if found_inf is None else found_inf.to(w.device, torch.float32).reshape(1)
     run_coded(backend, [p.detach() for p in w.params], [local(p.grad) for p in w.params], w.states, w.seeds, None,
               group_hparams(group, bool(group["decoupled_weight_decay"])), grad_scale=gs, found_inf=fi,
-              step_buffer=w.steps)
+              step_buffer=w.steps, cache=w.cache)
 
 
 def group_hparams(group: dict[str, Any], adamw: bool) -> dict[str, Any]:
@@ -300,21 +301,22 @@ def group_hparams(group: dict[str, Any], adamw: bool) -> dict[str, Any]:
 
 def run_coded(backend: str, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]],
               seeds: list[int], index_offsets: list[int] | None, hp: dict[str, Any], *,
-              grad_scale: Tensor | None, found_inf: Tensor | None, step_buffer: Tensor | None = None) -> None:
+              grad_scale: Tensor | None, found_inf: Tensor | None, step_buffer: Tensor | None = None,
+              cache: dict | None = None) -> None:
     """``codecs.adam_step_coded`` of every (param, grad, state, seed, index offset) on ``backend``; ``hp``: lr,
-    beta1, beta2, eps, weight_decay, adamw, maximize; ``grad_scale`` multiplies the gradients; ``step_buffer``:
-    see ``_coded_host.prepare``."""
+    beta1, beta2, eps, weight_decay, adamw, maximize; ``grad_scale`` multiplies the gradients; ``step_buffer``,
+    ``cache``: see ``_coded_host.prepare``."""
     offsets = index_offsets or [0] * len(params)
     if backend == "triton":
         from .kernels.adam_coded import adam_step_coded_triton   # triton is optional: imported when used
         adam_step_coded_triton(params, grads, states, seeds, grad_scale=grad_scale, found_inf=found_inf,
-                               index_offsets=offsets, step_buffer=step_buffer, **hp)
+                               index_offsets=offsets, step_buffer=step_buffer, cache=cache, **hp)
         return
     if backend in _C_KERNELS:
         from . import _ext
         fn = _ext.fused_adam_coded_cpu if backend == "cpu" else _ext.fused_adam_coded_cuda
         _coded_host.run_extension(fn, params, grads, states, seeds, grad_scale=grad_scale, found_inf=found_inf,
-                                  index_offsets=offsets, step_buffer=step_buffer, **hp)
+                                  index_offsets=offsets, step_buffer=step_buffer, cache=cache, **hp)
         return
     for p, g, st, seed, off in zip(params, grads, states, seeds, offsets):
         codecs.adam_step_coded(p, g, st, seed=seed, index_offset=off, grad_scale=grad_scale, found_inf=found_inf,
