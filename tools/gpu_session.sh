@@ -11,7 +11,8 @@
 #    3. the CUDA-backend cases (and the ZeRO-on-NCCL tests, which take the fastest backend) once the build is in,
 #    4. bench/gpu.py (all workloads and modes unless BENCH_ARGS says otherwise).
 # Every phase is bounded by `timeout`, inside BUDGET_S seconds in all. Logs go to $OUT (or ./gpu_out):
-# env.txt, build.log, tests_triton.log, tests_cuda.log, bench.log, bench.csv, junit_*.xml.
+# env.txt, build.log, tests_triton.log, tests_cuda.log, bench.log, bench.csv, junit_*.xml (8 files: the
+# device tool returns at most 8), and with NCU=1 the Nsight Compute reports appended to bench.log.
 # The package runs from the checkout (PYTHONPATH), against the machine's own torch and triton.
 set -u
 OUT=${OUT:-$PWD/gpu_out}
@@ -79,15 +80,16 @@ echo "bench rc=$? in $((SECONDS - t0)) s"
 # 5. Nsight Compute (clocks left as they are): speed of light, memory, occupancy, warp stalls of one launch
 if [ -n "${NCU:-}" ] && command -v ncu > /dev/null; then
   for spec in "8bit:zero_kernels triton" "8bit:zero_kernels cuda" "bf16-master:zero_kernels triton"; do
-    mode=${spec%%:*}; cand=${spec#*:}; f="$OUT/ncu_${mode}_${cand##* }.txt"
+    mode=${spec%%:*}; cand=${spec#*:}; f=$(mktemp)
     timeout "$(left 5)" ncu --clock-control none --kernel-name regex:fused_adam --launch-skip 3 --launch-count 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
       --section LaunchStats python3 bench/gpu.py --workloads llama7b-layer --modes "$mode" --rounds 1 --repeats 2 \
       --candidates "$cand" > "$f" 2>&1
     echo "ncu $mode $cand rc=$?"
     grep -E "Memory Throughput|DRAM Throughput|Duration|Achieved Occupancy|Registers Per|Shared Memory Config|Stall" "$f" | head -12
+    { echo "=== ncu $mode $cand"; cat "$f"; } >> "$OUT/bench.log"; rm -f "$f"
   done
 fi
-sed -n '/All rows/,$p' "$OUT/bench.log" | cut -c1-200
+sed -n '/All rows/,/^=== ncu/p' "$OUT/bench.log" | grep -v '^=== ncu' | cut -c1-200
 [ -s "$OUT/bench.log" ] && ! grep -q "All rows" "$OUT/bench.log" && tail -40 "$OUT/bench.log" | cut -c1-200
 exit 0

@@ -116,12 +116,13 @@ def _keys(cache: dict, steps: Tensor, states: list[dict[str, Tensor]], seeds: li
             zeros = torch.zeros_like(cache["offs"])
             cache["keys"] = torch.stack([zeros, zeros, cache["offs"]], dim=1).contiguous()
         else:
-            cache["seeds"] = torch.tensor(seeds, dtype=torch.int64, device=device)
+            cache["seeds"] = torch.tensor(seeds, dtype=torch.int64, device=device)[:, None]
+            cache["streams"] = torch.tensor([0, 1], dtype=torch.int64, device=device)
     if not cache["sr"]:
         return cache["keys"]
-    step_i = steps.to(torch.int64)
-    return torch.stack([codecs.sr_key(cache["seeds"], step_i, 0), codecs.sr_key(cache["seeds"], step_i, 1),
-                        cache["offs"]], dim=1).contiguous()
+    # both moments' keys in one [T, 2] pass of the hash (each of its int64 ops is one device op)
+    sr = codecs.sr_key(cache["seeds"], steps.to(torch.int64)[:, None], cache["streams"])
+    return torch.cat([sr, cache["offs"][:, None]], dim=1).contiguous()
 
 
 def group_arrays(step: CodedStep, key: tuple, idx: list[int], cache: dict | None) -> tuple[Tensor, Tensor]:
