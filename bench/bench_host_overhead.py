@@ -3,6 +3,7 @@ torch.optim.AdamW(fused=True), for 10, 100 and 1,000 parameters.
 
     python bench/bench_host_overhead.py                   # 10,100,1000 parameters, 41 repeats
     python bench/bench_host_overhead.py --params 1000 --repeats 101
+    python bench/bench_host_overhead.py --states 8bit          # zk with 8-bit moments (the coded path)
 
 Method (CPU; fair to both sides): each optimizer's *kernel call* is replaced by a no-op, and
 everything around it runs as in training:
@@ -61,10 +62,11 @@ def stub_kernels() -> list[str]:
     """Replace the three kernel calls by no-ops; returns the backends that can be measured."""
     import zero_kernels as zk  # noqa: F401
     from zero_kernels import _ext, backends
-    from zero_kernels.kernels import adam
+    from zero_kernels.kernels import adam, adam_coded
 
     torch._fused_adamw_ = lambda *args, **kwargs: None
     adam.fused_adam_kernel = _NoLaunch()
+    adam_coded.fused_adam_coded_kernel = _NoLaunch()
     ours = []
     if _ext.cpu_module() is not None:
         _ext._module = _NoKernel(_ext.cpu_module())
@@ -78,7 +80,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", default="10,100,1000")
     ap.add_argument("--repeats", type=int, default=41)
+    ap.add_argument("--states", default="fp32", choices=["fp32", "bf16", "8bit"],
+                    help="zk's moment format (torch's row keeps fp32 states); coded ones on every tensor")
     args = ap.parse_args(argv)
+    fmt = {} if args.states == "fp32" else dict(
+        exp_avg_dtype=torch.uint8 if args.states == "8bit" else torch.bfloat16,
+        exp_avg_sq_dtype=torch.uint8 if args.states == "8bit" else torch.bfloat16, min_8bit_size=1)
     import zero_kernels as zk
     ours = stub_kernels()
     torch.set_num_threads(1)
@@ -86,13 +93,13 @@ def main(argv=None) -> int:
     for n in [int(x) for x in args.params.split(",")]:
         fns = {"torch fused": torch.optim.AdamW(_params(n), lr=1e-3, weight_decay=0.01, fused=True).step}
         for b in ours:
-            fns[f"zk {b}"] = zk.FusedAdamW(_params(n), lr=1e-3, weight_decay=0.01, backend=b).step
+            fns[f"zk {b}"] = zk.FusedAdamW(_params(n), lr=1e-3, weight_decay=0.01, backend=b, **fmt).step
         med = interleaved_medians(fns, repeats=args.repeats, warmup=3)
         t = med["torch fused"]
         rows.append([n, t * 1e6] + [x for b in ours for x in (med[f"zk {b}"] * 1e6, f"{med[f'zk {b}'] / t:.2f}x")])
     header = ["params", "torch AdamW(fused) us"] + [x for b in ours for x in (f"zk {b} us", f"{b} / torch")]
     print(f"host time per step, kernels stubbed (median of {args.repeats} interleaved runs, "
-          f"torch {torch.__version__}, 1 thread)")
+          f"torch {torch.__version__}, 1 thread; zk states: {args.states})")
     print(table(rows, header))
     return 0
 

@@ -1,8 +1,9 @@
 """GPU benchmark: one fused Adam step over realistic parameter lists, against torch and the ceiling.
 
-    python bench/gpu.py                           # both workloads, both precisions, one table
+    python bench/gpu.py                           # both workloads, every mode, one table
     python bench/gpu.py --workloads llama7b-layer --modes bf16-master --repeats 20 --rounds 3
     python bench/gpu.py --csv bench/gpu_results.csv
+    python bench/gpu.py --modes 8bit --candidates "zero_kernels triton" --profile   # + its CUDA kernels
 
 Workloads (parameter lists, not one tensor; every one far above the 50 MB L2 of an H100):
   gpt2-xl        GPT-2 1.5B: wte, wpe, 48 blocks of 12 tensors, ln_f (580 tensors, 1.56e9 elements)
