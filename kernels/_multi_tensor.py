@@ -38,7 +38,7 @@ code and the compiler merges them (seen on an H200: "misaligned address" on the 
 views; the PTX had no alignment test left). So every branch makes its own pointers from the table's
 integer addresses (``typed_pointer``, ``offset_pointer``: a fresh op per call, hinted or not), and
 tests/test_codegen.py checks that each multi-tensor kernel's PTX still tests the alignment (an
-``and`` with 15) and holds both 128-bit and scalar accesses.
+``and`` with 15) besides its 128-bit accesses.
 
 [Note: interpreter bits are GPU bits]
 Under TRITON_INTERPRET=1 each fp32 operation is computed by numpy, correctly rounded, and Python

@@ -27,8 +27,7 @@ from torch.library import wrap_triton
 
 from ..reference import moment_coeffs
 from ._multi_tensor import (block_offsets, chunk_map, device_guard, pointer_table, program_chunk, round_bf16_bits,
-                            scalar_offsets, typed_pointer,
-                            upload)
+                            scalar_offsets, typed_pointer, upload)
 
 # Elements per program: BLOCK per iteration x ITERS iterations. Large chunks keep the grid small
 # (and the interpreter fast). BLOCK=1024 with 8 warps gives each thread 4 elements per iteration:

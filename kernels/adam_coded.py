@@ -44,8 +44,6 @@ _COLS = 7   # master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale
 LAUNCH_OPTIONS = dict(num_warps=4, enable_fp_fusion=False)
 
 
-
-
 @triton.jit
 def _load_moment(ptr, scale_ptr, offs, mask, rows, MASKED: tl.constexpr, KIND: tl.constexpr, SQ: tl.constexpr,
                  ALIGNED: tl.constexpr):
@@ -204,12 +202,11 @@ def adam_step_coded_triton(params: list[Tensor], grads: list[Tensor], states: li
                            found_inf: Tensor | None = None, index_offsets: list[int] | None = None,
                            step_buffer: Tensor | None = None, cache: dict | None = None) -> None:
     """``codecs.adam_step_coded`` for every (param, grad, state, seed[, index offset]), in place: one launch per
-    (grad dtype,
-    param dtype, state kinds). ``grad_scale`` multiplies the gradient; a nonzero ``found_inf`` changes
-    nothing but is still counted as torch counts it (the step is incremented by 1 - found_inf). The host
-    side (steps, coefficients, keys, grouping) is ``zero_kernels._coded_host.prepare``, shared with the C++
-    kernels; ``cache`` (a launch plan's) also keeps each group's pointer rows, whose gradient column alone is
-    refilled per step."""
+    (grad dtype, param dtype, state kinds). ``grad_scale`` multiplies the gradient; a nonzero ``found_inf``
+    changes nothing but is still counted as torch counts it (the step is incremented by 1 - found_inf). The
+    host side (steps, coefficients, keys, grouping) is ``zero_kernels._coded_host.prepare``, shared with the
+    C++ kernels; ``cache`` (a launch plan's) also keeps each group's pointer rows, whose gradient and
+    parameter columns alone are refilled per step."""
     if not params:
         return
     device = params[0].device
