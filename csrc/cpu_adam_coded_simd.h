@@ -39,23 +39,31 @@ ZK_TGT static inline uint32_t zk_f32_bits(float x) {
 
 ZK_TGT static inline bool zk_v8_finite(float scale) { return (zk_f32_bits(scale) & 0x7FFFFFFFu) < 0x7F800000u; }
 
+// One vector of codes. m: int8 codes (low 8 bits of each lane) of x given inv = 127 / scale != 0
+// (magic: 1.5 * 2^23). v: log codes of s = sqrt(v) >= 0 given k = 255 * 2^19 + 2^18 - bits(scale) for a
+// finite scale: (bits(s) - bits(scale)) + 255 * 2^19 + 2^18 fits an int32, so one wrapping add of the
+// constant folded with -bits(scale) gives it.
+ZK_TGT static inline void zk_m8_code1(const float* x, Q::F inv, Q::F magic, uint8_t* dst) {
+  Q::st_u8(dst, Q::bi(Q::add(Q::mul(Q::ldf(x), inv), magic)));
+}
+ZK_TGT static inline void zk_v8_code1(const float* s, Q::I k, uint8_t* dst) {
+  const Q::I b = Q::bi(Q::ldf(s));
+  Q::st_u8(dst, Q::v8_raise(b, Q::srai<19>(Q::addi(b, k))));
+}
+ZK_TGT static inline Q::I zk_v8_key(float scale) { return Q::set1i(ZK_V8_TOP + ZK_V8_HALF - zk_f32_bits(scale)); }
+
 // int8 codes of m (x: the block's updated m), given inv.
 ZK_TGT static inline void zk_m8_codes(const float* x, float inv, uint8_t* dst) {
   if (inv == 0.0f) { std::memset(dst, 0, ZK_QBLOCK); return; }
   const Q::F s = Q::set1f(inv), magic = Q::set1f(12582912.0f);
-  for (int i = 0; i < ZK_QBLOCK; i += Q::W) Q::st_u8(dst + i, Q::bi(Q::add(Q::mul(Q::ldf(x + i), s), magic)));
+  for (int i = 0; i < ZK_QBLOCK; i += Q::W) zk_m8_code1(x + i, s, magic, dst + i);
 }
 
 // uint8 log codes of v (s: the block's sqrt(v) >= 0, scale: their max).
 ZK_TGT static inline void zk_v8_codes(const float* s, float scale, uint8_t* dst) {
   if (!zk_v8_finite(scale)) { std::memset(dst, 0, ZK_QBLOCK); return; }
-  // (bits(s) - bits(scale)) + 255 * 2^19 + 2^18 fits an int32, so one wrapping add of the constant
-  // folded with -bits(scale) gives it.
-  const Q::I k = Q::set1i(ZK_V8_TOP + ZK_V8_HALF - zk_f32_bits(scale));
-  for (int i = 0; i < ZK_QBLOCK; i += Q::W) {
-    const Q::I b = Q::bi(Q::ldf(s + i));
-    Q::st_u8(dst + i, Q::v8_raise(b, Q::srai<19>(Q::addi(b, k))));
-  }
+  const Q::I k = zk_v8_key(scale);
+  for (int i = 0; i < ZK_QBLOCK; i += Q::W) zk_v8_code1(s + i, k, dst + i);
 }
 
 ZK_TGT static inline Q::F zk_m8_decode(const uint8_t* c, Q::F step) { return Q::mul(Q::i2f(Q::ld_i8(c)), step); }
@@ -275,9 +283,14 @@ ZK_TGT static inline void zk_c_prefetch(const void* base, int i0) {
   }
 }
 
-// Both moments 8-bit (the memory-saving layout): the moments are decoded and updated, kept in L1 buffers
-// (m and sqrt(v)) with their running absmax in registers, the master is updated from the buffers, and a
-// last pass over the buffers writes the codes; the next blocks' arrays are prefetched (zk_c_prefetch).
+// Both moments 8-bit (the memory-saving layout): the first pass decodes and updates the moments, keeps
+// them in L1 buffers (m and sqrt(v)) and their running absmax in registers; the block scales follow, and
+// the second pass updates the master from the buffers and writes the codes from the same loads (a third
+// pass over the buffers only when a scale is 0 or not finite); the next blocks' arrays are prefetched
+// (zk_c_prefetch). Encoding in the second pass made the step 8-9% faster on a Zen 4 core (one thread,
+// L2-resident block: 35.2 -> 32.2 cycles per 16 elements with an fp32 master, 36.5 -> 33.2 with
+// remainders); it is compute-bound, not divider-bound (a division by RN(1 / bc2) with two FMAs, exact
+// by Markstein's theorem, freed the divider and made it 10% slower: more instructions).
 // With 16-bit lanes (Q::kPair), two vectors share one remainder join and split, or one bf16 rounding.
 // The caller sends a block whose v scale is not finite (its v decodes to NaN) to zk_c_block_general.
 template <int GT, bool L2, bool REM, bool PLAIN>
@@ -289,9 +302,13 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
   // The bf16 copy is write-only here: stream it (no read-for-ownership of its lines) when aligned;
   // zk_c_blocks fences once per chunk.
   const bool nt16 = bf16_pair && (reinterpret_cast<uintptr_t>(a.p16) & 63) == 0;
-  const uint8_t* mc = static_cast<const uint8_t*>(a.m);
-  const uint8_t* vc = static_cast<const uint8_t*>(a.v);
+  // The arrays as locals: the uint8 code stores may alias anything, so the compiler would reload a's
+  // fields after each of them.
+  uint8_t* mc = static_cast<uint8_t*>(a.m);
+  uint8_t* vc = static_cast<uint8_t*>(a.v);
   uint16_t* p16 = static_cast<uint16_t*>(a.p16);
+  int16_t* rem = a.rem;
+  float* master = a.master;
   const Q::F mstep = Q::set1f(*a.m_scale / ZK_M8_LEVELS);
   const Q::I vbase = Q::set1i(zk_f32_bits(*a.v_scale) - ZK_V8_TOP);
   const ZkCConst k = zk_c_const(j, h);
@@ -307,7 +324,7 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
     for (int u = 0; u < STEP / V::W; ++u) {
       const int i = i0 + u * V::W;
       V::F pv = V::set1(0.0f);
-      if constexpr (L2) pv = REM ? zk_c_join1(p16 + i, a.rem + i) : V::load(a.master + i);
+      if constexpr (L2) pv = REM ? zk_c_join1(p16 + i, rem + i) : V::load(master + i);
       V::F mv = zk_m8_decode(mc + i, mstep), vv = zk_v8_decode(vc + i, vbase);
       const V::F sq = zk_c_moments1(k, zk_c_grad1<L2, PLAIN>(k, zk_c_grad<GT>(a.g, i), pv), mv, vv);
       V::store(bm + i, mv);
@@ -316,33 +333,8 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
       as = Q::maxi(as, zk_q8_absbits(sq));
     }
   }
-  for (int i0 = 0; i0 < ZK_QBLOCK; i0 += STEP) {
-    if constexpr (REM) {
-      zk_c_prefetch<2, STEP>(a.p16, i0);
-      zk_c_prefetch<2, STEP>(a.rem, i0);
-    } else {
-      zk_c_prefetch<4, STEP>(a.master, i0);
-      if (a.p16 && !nt16) zk_c_prefetch<2, STEP>(a.p16, i0);
-    }
-    V::F px[2];
-    if constexpr (REM && Q::kPair) Q::join2(p16 + i0, a.rem + i0, px[0], px[1]);
-    for (int u = 0; u < STEP / V::W; ++u) {
-      const int i = i0 + u * V::W;
-      V::F pv;
-      if constexpr (REM && Q::kPair) pv = px[u];
-      else if constexpr (REM) pv = zk_c_join1(p16 + i, a.rem + i);
-      else pv = V::load(a.master + i);
-      pv = zk_c_param1(k, pv, V::load(bm + i), V::load(bs + i));
-      if constexpr (Q::kPair) px[u] = pv;
-      if constexpr (REM && !Q::kPair) zk_c_split1(pv, p16 + i, a.rem + i);
-      if constexpr (!REM) {
-        if (bf16_pair) V::store(a.master + i, pv);
-        else zk_c_store_master(j, a, i, pv);
-      }
-    }
-    if constexpr (REM && Q::kPair) Q::split2(px[0], px[1], p16 + i0, a.rem + i0);
-    else if (bf16_pair) Q::bf16x2(px[0], px[1], p16 + i0, nt16);
-  }
+  // The block scales are known now: the second pass also writes the codes (unless a scale is 0 or not
+  // finite: then the codes are written after it, by the rules of zk_m8_codes / zk_v8_codes).
   float ms, vs;
   if (n == ZK_QBLOCK) {
     ms = zk_q8_scale(am);
@@ -355,8 +347,45 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
   }
   *a.m_scale = ms;
   *a.v_scale = vs;
-  zk_m8_codes(bm, zk_c_inverse(ms, ZK_M8_LEVELS), static_cast<uint8_t*>(a.m));
-  zk_v8_codes(bs, vs, static_cast<uint8_t*>(a.v));
+  const float minv = zk_c_inverse(ms, ZK_M8_LEVELS);
+  const bool codes_here = minv != 0.0f && zk_v8_finite(vs);
+  const Q::F m_inv = Q::set1f(minv), magic = Q::set1f(12582912.0f);
+  const Q::I v_key = zk_v8_key(vs);
+  for (int i0 = 0; i0 < ZK_QBLOCK; i0 += STEP) {
+    if constexpr (REM) {
+      zk_c_prefetch<2, STEP>(p16, i0);
+      zk_c_prefetch<2, STEP>(rem, i0);
+    } else {
+      zk_c_prefetch<4, STEP>(master, i0);
+      if (p16 && !nt16) zk_c_prefetch<2, STEP>(p16, i0);
+    }
+    V::F px[2];
+    if constexpr (REM && Q::kPair) Q::join2(p16 + i0, rem + i0, px[0], px[1]);
+    for (int u = 0; u < STEP / V::W; ++u) {
+      const int i = i0 + u * V::W;
+      V::F pv;
+      if constexpr (REM && Q::kPair) pv = px[u];
+      else if constexpr (REM) pv = zk_c_join1(p16 + i, rem + i);
+      else pv = V::load(master + i);
+      pv = zk_c_param1(k, pv, V::load(bm + i), V::load(bs + i));
+      if (codes_here) {
+        zk_m8_code1(bm + i, m_inv, magic, mc + i);
+        zk_v8_code1(bs + i, v_key, vc + i);
+      }
+      if constexpr (Q::kPair) px[u] = pv;
+      if constexpr (REM && !Q::kPair) zk_c_split1(pv, p16 + i, rem + i);
+      if constexpr (!REM) {
+        if (bf16_pair) V::store(master + i, pv);
+        else zk_c_store_master(j, a, i, pv);
+      }
+    }
+    if constexpr (REM && Q::kPair) Q::split2(px[0], px[1], p16 + i0, rem + i0);
+    else if (bf16_pair) Q::bf16x2(px[0], px[1], p16 + i0, nt16);
+  }
+  if (!codes_here) {
+    zk_m8_codes(bm, minv, mc);
+    zk_v8_codes(bs, vs, vc);
+  }
 }
 
 // One 256-element block whose arrays are given by `a` (the tensors' own memory for a whole block,
