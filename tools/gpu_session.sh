@@ -5,6 +5,10 @@
 #   BUDGET_S=420 BENCH_ARGS="--workloads llama7b-layer" bash tools/gpu_session.sh
 #   PYTEST_K="f8 or zero" SKIP_BENCH=1 bash tools/gpu_session.sh     # a rerun of some tests only
 #   NCU=1 bash tools/gpu_session.sh          # then Nsight Compute on one launch of the step kernels (llama7b-layer)
+#   BASE=gpu_base BASE_ARGS="--modes 8bit --candidates triton" bash tools/gpu_session.sh
+#                                             # then the same benchmark against a baseline copy of the package
+#                                             # (a folder holding zero_kernels/ with kernels/ and csrc/ inside,
+#                                             # e.g. from `git archive`), in the same lease: an A/B of a change
 #
 # 1. The extension (C++ + CUDA, TORCH_CUDA_ARCH_LIST, default 9.0) is JIT-built in the background while
 #    2. tests/gpu runs with the Triton backend (the CUDA-backend cases skip with ZERO_KERNELS_NO_JIT=1), then
@@ -76,6 +80,15 @@ fi
 t0=$SECONDS
 timeout "$(left 5)" python3 bench/gpu.py --csv "$OUT/bench.csv" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
 echo "bench rc=$? in $((SECONDS - t0)) s"
+
+# 4b. the baseline package (BASE), same benchmark script, appended to bench.log
+if [ -n "${BASE:-}" ] && [ -d "$BASE/zero_kernels" ]; then
+  t0=$SECONDS
+  { echo "=== baseline $BASE: bench/gpu.py ${BASE_ARGS:-}"
+    PYTHONPATH=$PWD/$BASE timeout "$(left 5)" python3 bench/gpu.py ${BASE_ARGS:-}; } > "$OUT/base.tmp" 2>&1
+  echo "baseline bench rc=$? in $((SECONDS - t0)) s"; grep -E "^\|" "$OUT/base.tmp" | cut -c1-200
+  cat "$OUT/base.tmp" >> "$OUT/bench.log"; rm -f "$OUT/base.tmp"
+fi
 
 # 5. Nsight Compute (clocks left as they are): speed of light, memory, occupancy, warp stalls of one launch
 if [ -n "${NCU:-}" ] && command -v ncu > /dev/null; then
