@@ -2,13 +2,16 @@
 
     python bench/gpu_coded_tune.py                      # llama7b-layer, 8bit and 8bit+rem, every variant
     python bench/gpu_coded_tune.py --modes 8bit --variants 8x1024x4,8x1024x1
+    python bench/gpu_coded_tune.py --base zero_kernels._kernels_base --variants 4x1024x4,base:4x1024x4
 
-A variant is WARPSxBLOCKxITERS (num_warps, elements per iteration = a [BLOCK // 256, 256] tile, iterations per
-program). Each variant's first step is checked bit for bit against the default variant's on the same inputs
-(a variant that differs is marked FAILED and not timed); then device time per step, median over rounds
-(CUDA events around FusedAdamW.step, states and gradients fixed). GB/s from bench/gpu.py's byte counts.
-The kernel's module constants are set per variant (BLOCK, ITERS, CHUNK, LAUNCH_OPTIONS): a tuning tool,
-not a way to run the optimizer. Without a CUDA GPU it says so and exits 0.
+A variant is WARPSxBLOCKxITERS[rMAXNREG] (num_warps, elements per iteration = BLOCK // 256 quantization blocks,
+iterations per program, optionally a register cap per thread); ``base:WARPSxBLOCKxITERS`` runs the kernel of another copy of kernels/ instead (``--base``: a module
+path, e.g. a baseline kernels/ copied to zero_kernels/_kernels_base), interleaved with the others in the same
+process: an A/B of a kernel change on one warm GPU. Each variant's first step is checked bit for bit against
+the first variant's on the same inputs (a variant that differs is marked FAILED and not timed); then device
+time per step, median over rounds (CUDA events around FusedAdamW.step, states and gradients fixed). GB/s from
+bench/gpu.py's byte counts. The kernel's module globals are set per variant (BLOCK, ITERS, CHUNK,
+LAUNCH_OPTIONS, the kernel itself): a tuning tool, not a way to run the optimizer. Without a CUDA GPU it says so and exits 0.
 """
 from __future__ import annotations
 
@@ -19,13 +22,35 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-DEFAULT_VARIANTS = "4x1024x4,8x1024x4,8x1024x1,4x512x8,16x2048x2"   # the kernel's own first
+DEFAULT_VARIANTS = "4x1024x4r80,4x1024x4,4x1024x4r72,8x2048x2r80,4x1024x8r80"   # the kernel's own first
 
 
-def set_variant(warps: int, block: int, iters: int) -> None:
+_OWN_KERNEL = []
+
+
+def set_variant(warps: int, block: int, iters: int, kernel=None, maxnreg: int = 0) -> None:
+    """Module constants of kernels/adam_coded.py for one variant; ``kernel``: another jit kernel of the same
+    signature (a baseline's) launched in place of the module's own, None for the module's own; ``maxnreg``:
+    the register cap per thread of the 8-bit-moment launches (Q8_MAXNREG; 0: none)."""
     from zero_kernels.kernels import adam_coded as AC
+    if not _OWN_KERNEL:
+        _OWN_KERNEL.append(AC.fused_adam_coded_kernel)
+    AC.fused_adam_coded_kernel = kernel or _OWN_KERNEL[0]
     AC.BLOCK, AC.ITERS, AC.CHUNK = block, iters, block * iters
     AC.LAUNCH_OPTIONS = dict(num_warps=warps, enable_fp_fusion=False)
+    AC.Q8_MAXNREG = maxnreg
+
+
+def parse_variant(v: str, base) -> tuple:
+    """'4x1024x4', 'base:4x1024x4' or '4x1024x4r80' (at most 80 registers per thread) -> (warps, block, iters,
+    kernel or None, maxnreg)."""
+    kernel = None
+    if v.startswith("base:"):
+        if base is None:
+            raise SystemExit(f"variant {v!r} needs --base")
+        kernel, v = base.fused_adam_coded_kernel, v[len("base:"):]
+    v, _, reg = v.partition("r")
+    return (*(int(x) for x in v.split("x")), kernel, int(reg or 0))
 
 
 def build(shapes, mode, seed=0, device="cuda"):
@@ -58,6 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--base", default=None, help="module holding a baseline adam_coded.py (variants 'base:...')")
     args = ap.parse_args(argv)
     import torch
     if not torch.cuda.is_available():
@@ -68,9 +94,12 @@ def main(argv=None) -> int:
     from gpu import WORKLOADS, mode_bytes_per_element, time_steps
     shapes = WORKLOADS[args.workload]()
     numel = sum(int(torch.Size(s).numel()) for s in shapes)
-    variants = [tuple(int(x) for x in v.split("x")) for v in args.variants.split(",")]
+    import importlib
+    base = importlib.import_module(args.base + ".adam_coded") if args.base else None
+    names = args.variants.split(",")
+    variants = [parse_variant(v, base) for v in names]
     from zero_kernels.kernels import adam_coded as AC
-    default = (AC.LAUNCH_OPTIONS["num_warps"], AC.BLOCK, AC.ITERS)
+    default = (AC.LAUNCH_OPTIONS["num_warps"], AC.BLOCK, AC.ITERS, None, AC.Q8_MAXNREG)
     print(f"{torch.cuda.get_device_name(0)}, {args.workload} ({numel / 1e6:.0f}M), medians of {args.rounds} rounds "
           f"x {args.repeats} steps", flush=True)
     rows = []
@@ -96,12 +125,12 @@ def main(argv=None) -> int:
                 times[v] += dev
                 del ps, opt
                 torch.cuda.empty_cache()
-        base = statistics.median(times[variants[0]]) if times[variants[0]] else None
+        first = statistics.median(times[variants[0]]) if times[variants[0]] else None
         for v in variants:
             ms = statistics.median(times[v]) if times[v] else None
-            rows.append([mode, "x".join(map(str, v)), "" if ms is None else f"{ms:.3f}",
+            rows.append([mode, names[variants.index(v)], "" if ms is None else f"{ms:.3f}",
                          "" if ms is None else f"{gb / (ms * 1e-3):.0f}",
-                         "" if not (ms and base) else f"{base / ms:.2f}x", notes[v]])
+                         "" if not (ms and first) else f"{first / ms:.2f}x", notes[v]])
         print(table(rows[-len(variants):], ["mode", "warps x block x iters", "device ms", "GB/s", "x first", "note"]),
               flush=True)
     set_variant(*default)

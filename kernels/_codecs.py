@@ -3,8 +3,10 @@
 Every rule is computed on integer bits or with IEEE operations (``tl.div_rn``, one fp32 multiply or add),
 never with a float cast whose rounding differs between the interpreter (numpy truncates fp32 -> bf16)
 and a GPU: the interpreter's bits are the GPU's, and both are the reference's.
-Element ``x`` of a 2-D block is element ``offs`` of its tensor; rows are the 256-element quantization
-blocks (``QBLOCK``), so a row reduction is a block's absmax.
+Element ``x`` of a tile is element ``offs`` of its tensor. A tile is [rows, 256] (kernels/quant.py) or 3-D
+(kernels/adam_coded.py, [Note: the coded kernel]): [H, rows, 256 // H] or [rows, H, 256 // H] (``ROWS_AXIS``);
+either way its rows are the 256-element quantization blocks (``QBLOCK``), so a row reduction is a block's
+absmax, and ``per_row`` broadcasts a per-block value against the tile.
 Two 8-bit codecs live here: the arithmetic moment codec of the coded-state kernel (``encode_m8`` /
 ``decode_m8``, ``encode_v8`` / ``decode_v8``, [Note: state codecs] 2) and the table codec of the ZeRO++
 wire (``encode_q8`` / ``decode_q8``, kernels/quant.py).
@@ -22,6 +24,11 @@ V8_TOP_BITS = tl.constexpr(255 << 19)   # the top code (codecs.V8_LEVELS = 255) 
 V8_HALF_STEP = tl.constexpr(1 << 18)    # rounds to the nearest code
 RNE_MAGIC = tl.constexpr(12582912.0)    # 1.5 * 2^23: y + RNE_MAGIC lies in [2^23, 2^24) for |y| <= 2^22
 RNE_MAGIC_BITS = tl.constexpr(0x4B400000)   # its fp32 bits
+# Axis of the rows in a 3-D tile. Triton's coalescing lays a warp's lanes along the contiguous axis, then its
+# warps along the next axis of its order, where the two strided axes tie: Triton 3.9 takes axis 1 first, 3.6
+# axis 0 (seen in their TTGIR), and the rows must be where the warps go. Versions in between are untested: a
+# wrong guess costs layout conversions through shared memory (tests/test_codegen.py fails), never a bit.
+ROWS_AXIS = tl.constexpr(1 if tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 9) else 0)
 
 
 @triton.jit
@@ -66,11 +73,28 @@ def decode_bf16(h):
 
 
 @triton.jit
+def per_row(s, x):
+    """A per-block value ``s`` [rows] broadcastable against the tile ``x`` (2-D or 3-D). 3-D: expanded on axis 1,
+    then on the H axis: the reverse of block_absmax's reductions, so that the result has the reduction's own
+    layout (another order is a layout conversion)."""
+    if len(x.shape) == 3:
+        b = tl.expand_dims(tl.expand_dims(s, 1), 1 - ROWS_AXIS)
+    else:
+        b = s[:, None]
+    return b
+
+
+@triton.jit
 def block_absmax(x, mask):
-    """Per row (quantization block): max |x| over the unmasked lanes, NaN if one is NaN (torch.amax).
-    On the bits: |x| as int32 orders like the floats, and every NaN is above +inf; a NaN result is
-    torch.amax's canonical 0x7FC00000 whatever the payloads (a decoded fp8 NaN is 0x7FF00000)."""
-    a = tl.where(mask, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+    """Per row (quantization block): max |x| over the unmasked lanes (``mask`` None: every lane), NaN if one is
+    NaN (torch.amax). On the bits: |x| as int32 orders like the floats, and every NaN is above +inf; a NaN
+    result is torch.amax's canonical 0x7FC00000 whatever the payloads (a decoded fp8 NaN is 0x7FF00000).
+    A 3-D tile reduces its H axis (a thread's own registers) before the row's lanes."""
+    a = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    if mask is not None:
+        a = tl.where(mask, a, 0)
+    if len(x.shape) == 3:
+        a = tl.max(a, axis=1 - ROWS_AXIS)
     m = tl.max(a, axis=1)
     return tl.where(m > 0x7F800000, 0x7FC00000, m).to(tl.float32, bitcast=True)
 
@@ -78,7 +102,7 @@ def block_absmax(x, mask):
 @triton.jit
 def scaled(x, scale):
     """x / scale per row (IEEE division), 0 where the block's scale is 0 (codecs.encode_q8 / encode_f8)."""
-    s = scale[:, None]
+    s = per_row(scale, x)
     return tl.where(s == 0.0, 0.0, tl.div_rn(x, s))
 
 
@@ -99,7 +123,7 @@ def encode_m8(x, mask):
     IEEE add rounds y to the nearest integer, ties to even (torch.round), and the integer is the bits
     minus the magic's bits (|y| <= 127 + a rounding; masked lanes hold whatever the update made of 0)."""
     scale = block_absmax(x, mask)
-    inv = _inverse(scale, M8_LEVELS)[:, None]
+    inv = per_row(_inverse(scale, M8_LEVELS), x)
     y = tl.where(inv == 0.0, 0.0, x * inv)       # no NaN / inf reaches the rounding
     code = (y + RNE_MAGIC).to(tl.int32, bitcast=True) - RNE_MAGIC_BITS
     return (code & 0xFF).to(tl.uint8), scale
@@ -119,7 +143,7 @@ def encode_v8(s, mask):
     bits (the difference first: no int32 overflow; <= 255 as s <= scale), 0 where s == 0 (tested on the
     bits, so no flush-to-zero compare is involved) or the scale is not finite."""
     scale = block_absmax(s, mask)
-    sb = scale.to(tl.int32, bitcast=True)[:, None]
+    sb = per_row(scale.to(tl.int32, bitcast=True), s)
     bits = s.to(tl.int32, bitcast=True)
     code = tl.maximum(((bits - sb) + (V8_TOP_BITS + V8_HALF_STEP)) >> V8_STEP_BITS, 1)
     keep = ((bits & 0x7FFFFFFF) != 0) & (sb < 0x7F800000)

@@ -4,15 +4,23 @@
 [Note: the coded kernel]
 The reference is ``zero_kernels.codecs.adam_step_coded`` and the kernel equals it bit for bit
 (tests/test_adam_coded.py): every codec is computed on bits or with IEEE operations (kernels/_codecs.py).
-A program's BLOCK_SIZE = 1024 elements are a [4, 256] tile whose rows are the 8-bit / fp8 quantization
-blocks (chunks start at multiples of 1024, blocks are counted from each tensor's first element), so
-the new block scale is a row max in registers, computed after the update and before the encode. With 4
-warps (LAUNCH_OPTIONS) a row is one warp's 8 elements per thread; the compiled variants still convert some
-arrays between the tile's layout and their access layout through shared memory (up to 4 KB, bounded by
-tests/test_codegen.py's max_shared), with barriers between. On an H200 the kernel moves ~45% of the
-memory bandwidth (Nsight Compute, llama7b-layer, 8-bit: 2.3 TB/s, 37% occupancy limited by registers,
-stalls on global-load latency): removing the conversions and barriers is open work, as is wider access
-to the uint8 codes.
+A program's BLOCK_SIZE = 1024 elements are 4 rows, the 8-bit / fp8 quantization blocks (chunks start at
+multiples of 1024, blocks are counted from each tensor's first element), so the new block scale is a row max in
+registers, computed after the update and before the encode. With 4 warps (LAUNCH_OPTIONS) warp r holds row r,
+8 elements per thread, and every array of the tile, uint8 codes to fp32, has that one register layout: no
+shared memory, no barrier (tests/test_codegen.py: max_shared 0). The tile is 3-D, rows x H x L with
+L = 32 * VEC (``_tile_offsets``; the axis order is _codecs.ROWS_AXIS): lane j of warp r holds VEC contiguous
+elements at each of H = 256 / L steps, VEC = 8 (H = 1) unless an fp32 array is streamed, then VEC = 4 (H = 2),
+as fp32 stores are at most 128-bit per thread. So the 16-byte-aligned path is all 128-bit for the widest array
+(bf16 and int16 with VEC 8, fp32 with VEC 4) and 64-bit / 32-bit for the uint8 codes; the row absmax reduces a
+thread's H registers, then 32 lanes by shuffles; a block scale is stored by lane 0 of its warp
+(``_store_scale``). Misaligned tensors and a tensor's last block run VEC = 1 (one element per thread, the
+same warp-per-row layout). Before (triton 3.9/3.6, sm_90, 8-bit states): up to 35 bar.sync, 2-4 KB of shared
+memory, 118-121 registers; after: none, none, 80-90, capped at 80 for 8-bit moments (Q8_MAXNREG;
+tests/test_codegen.py prints them). H200 (2026-11-26, interleaved in one process against the old kernel,
+bench/gpu_coded_tune.py --base): 1.04-1.11x (llama7b-layer) and 1.15-1.20x (gpt2-xl) faster, bit for bit the
+same; Nsight Compute (llama7b-layer, 8bit+rem): DRAM 49% -> 56% busy, occupancy 25% -> 29% (90 registers,
+before the cap). Still latency-bound: the step moves ~2.0-2.6 TB/s of the ~4 the streaming kernels reach.
 State kinds (constexprs): MASTER_KIND 0 = an fp32 master (or the fp32 parameter), 1 = bf16 parameter +
 int16 remainder; M_KIND / V_KIND 0 = fp32, 1 = bf16 stochastic rounding, 2 = uint8 (the arithmetic 8-bit
 moment codec: int8 codes of m rounded to nearest, log codes of sqrt(v) on its bits; no table, no search),
@@ -29,8 +37,9 @@ from torch import Tensor
 
 from .._coded_host import CodedEntry, group_arrays, prepare
 from ..reference import moment_coeffs
-from ._codecs import (F8_MAX, QBLOCK, block_absmax, decode_bf16, decode_f8, decode_m8, decode_v8, encode_bf16_sr,
-                      encode_f8, encode_m8, encode_v8, join_remainder, ld, scaled, split_remainder, st)
+from ._codecs import (F8_MAX, QBLOCK, ROWS_AXIS, block_absmax, decode_bf16, decode_f8, decode_m8, decode_v8,
+                      encode_bf16_sr, encode_f8, encode_m8, encode_v8, join_remainder, ld, per_row, scaled,
+                      split_remainder, st)
 from ._multi_tensor import chunk_map, device_guard, pointer_table, program_chunk, round_bf16_bits, typed_pointer
 from .adam import adam_update
 
@@ -38,15 +47,30 @@ BLOCK = 1024
 ITERS = 4
 CHUNK = BLOCK * ITERS
 _COLS = 7   # master, grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param16
-# 4 warps: a [4, 256] tile at 8 elements per thread, each 256-element row in one warp. Measured on an H200
-# (bench/gpu_coded_tune.py, llama7b-layer, 2026-11-26): 1.79 ms against 2.04 with 8 warps (8bit), 1.94 against
-# 2.08 (8bit+rem); both far from the 0.81 / 0.71 ms the bytes allow (see [Note: the coded kernel]).
+# 4 warps: 4 rows of 256 at 8 elements per thread, each row in one warp ([Note: the coded kernel]). Measured on
+# an H200 (old layout; bench/gpu_coded_tune.py, llama7b-layer, 2026-11-26): 1.79 ms against 2.04 with 8 warps
+# (8bit), 1.94 against 2.08 (8bit+rem).
 LAUNCH_OPTIONS = dict(num_warps=4, enable_fp_fusion=False)
+# Both moments 8-bit: at most 80 registers per thread (the kernel takes 88-90 with remainders), so 6 programs of
+# 4 warps fit an SM instead of 5 (occupancy 37.5% instead of 31%; the kernel is latency-bound). H200,
+# bench/gpu_coded_tune.py, interleaved, two leases of 2026-11-26, against no cap: 8bit+rem 1.08x / 0.95x
+# (llama7b-layer) and 1.14x / 1.09x (gpt2-xl), 8bit 1.00-1.01x / 0.99-1.00x: kept for the remainder layout's
+# gain on the many-tensor workload. ptxas then spills 4 B in one variant (triton 3.9, sm_90; none with 3.6):
+# the codegen cases allow 8 B there. The other state formats keep no cap (at 80 their bf16 / fp8 variants spill
+# 28-64 B).
+Q8_MAXNREG = 80
+
+
+def launch_options(m_kind: int, v_kind: int) -> dict:
+    """Triton launch options of the kernel for moment kinds (M_KIND, V_KIND)."""
+    if m_kind == v_kind == 2 and Q8_MAXNREG:
+        return dict(LAUNCH_OPTIONS, maxnreg=Q8_MAXNREG)
+    return LAUNCH_OPTIONS
 
 
 @triton.jit
-def _load_moment(ptr, scale_ptr, offs, mask, rows, MASKED: tl.constexpr, KIND: tl.constexpr, SQ: tl.constexpr,
-                 ALIGNED: tl.constexpr):
+def _load_moment(ptr, scale_ptr, offs, mask, rows, numel, MASKED: tl.constexpr, KIND: tl.constexpr,
+                 SQ: tl.constexpr, ALIGNED: tl.constexpr):
     """Decode one moment of the tile to fp32 (KIND: see [Note: the coded kernel]; SQ: exp_avg_sq, whose
     8-bit code is the log code of sqrt(v)). A blockwise moment's scale is loaded once per row (block) and broadcast,
     so the per-block division of the decode runs once per row, not per element."""
@@ -56,8 +80,8 @@ def _load_moment(ptr, scale_ptr, offs, mask, rows, MASKED: tl.constexpr, KIND: t
         return decode_bf16(ld(typed_pointer(ptr, tl.uint16, ALIGNED), offs, mask, MASKED))
     else:
         code = ld(typed_pointer(ptr, tl.uint8, ALIGNED), offs, mask, MASKED)
-        row_mask = tl.max(mask.to(tl.int32), axis=1) > 0
-        scale = ld(scale_ptr.to(tl.pointer_type(tl.float32)), rows, row_mask, MASKED)[:, None]
+        row_mask = rows * QBLOCK < numel if MASKED else None
+        scale = per_row(ld(scale_ptr.to(tl.pointer_type(tl.float32)), rows, row_mask, MASKED), code)
         if KIND == 2:
             if SQ:
                 return decode_v8(code, scale)
@@ -68,7 +92,21 @@ def _load_moment(ptr, scale_ptr, offs, mask, rows, MASKED: tl.constexpr, KIND: t
 
 
 @triton.jit
-def _store_moment(x, root, ptr, scale_ptr, offs, mask, rows, index_offset, key,
+def _store_scale(scale_ptr, scale, rows, numel, MASKED: tl.constexpr):
+    """Store each row's (block's) new scale from the row's own warp: lane 0 of a 3-D pointer tile of ROWS x 32
+    (lane j at scale r + j, masked off for j > 0). Contiguous along the lanes, Triton lays the 32 lanes of a
+    warp on one row as in the tile, and the store takes the scale where the row reduction left it; a [ROWS]
+    store would be laid out one row per lane and reach it through shared memory."""
+    lane = tl.arange(0, 32)[None, None, :]
+    ptr = scale_ptr.to(tl.pointer_type(tl.float32)) + per_row(rows, lane) + lane
+    keep = lane == 0
+    if MASKED:
+        keep = keep & per_row(rows * QBLOCK < numel, lane)
+    tl.store(ptr, per_row(scale, ptr), mask=keep)
+
+
+@triton.jit
+def _store_moment(x, root, ptr, scale_ptr, offs, mask, rows, numel, index_offset, key,
                   MASKED: tl.constexpr, KIND: tl.constexpr, SQ: tl.constexpr, ALIGNED: tl.constexpr):
     """Encode one updated moment of the tile and store it (with its new block scales). ``root``: sqrt(x),
     which the 8-bit exp_avg_sq code (SQ) encodes."""
@@ -78,53 +116,87 @@ def _store_moment(x, root, ptr, scale_ptr, offs, mask, rows, index_offset, key,
         st(typed_pointer(ptr, tl.uint16, ALIGNED), offs, encode_bf16_sr(x, offs, index_offset, key), mask, MASKED)
     else:
         if KIND == 3:
-            scale = tl.div_rn(block_absmax(x, mask), F8_MAX)
+            scale = block_absmax(x, mask)
+            scale = tl.div_rn(scale, F8_MAX)
             code = encode_f8(scaled(x, scale))
         elif SQ:
             code, scale = encode_v8(root, mask)
         else:
             code, scale = encode_m8(x, mask)
         st(typed_pointer(ptr, tl.uint8, ALIGNED), offs, code, mask, MASKED)
-        row_mask = tl.max(mask.to(tl.int32), axis=1) > 0
-        st(scale_ptr.to(tl.pointer_type(tl.float32)), rows, scale, row_mask, MASKED)
+        _store_scale(scale_ptr, scale, rows, numel, MASKED)
 
 
 @triton.jit
-def _coded_tile(row, offs, mask, rows, step_size, bc2_sqrt, decay, grad_scale, m_key, v_key, index_offset,
+def _store_param(p, a_master, a_p16, offs, mask, MASKED: tl.constexpr, P16_KIND: tl.constexpr,
+                 MASTER_KIND: tl.constexpr, ALIGNED: tl.constexpr):
+    """Store the updated fp32 parameter of the tile in its layout (MASTER_KIND, P16_KIND)."""
+    if MASTER_KIND == 1:
+        hi, rem = split_remainder(p)
+        st(typed_pointer(a_p16, tl.uint16, ALIGNED), offs, hi, mask, MASKED)
+        st(typed_pointer(a_master, tl.int16, ALIGNED), offs, rem, mask, MASKED)
+    else:
+        st(typed_pointer(a_master, tl.float32, ALIGNED), offs, p, mask, MASKED)
+        if P16_KIND == 1:
+            st(typed_pointer(a_p16, tl.uint16, ALIGNED), offs, round_bf16_bits(p), mask, MASKED)
+        elif P16_KIND == 2:
+            st(typed_pointer(a_p16, tl.float16, ALIGNED), offs, p.to(tl.float16), mask, MASKED)
+
+
+@triton.jit
+def _coded_tile(row, offs, rows, numel, step_size, bc2_sqrt, decay, grad_scale, m_key, v_key, index_offset,
                 one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
                 GRAD_DTYPE: tl.constexpr, P16_KIND: tl.constexpr, MASTER_KIND: tl.constexpr,
                 M_KIND: tl.constexpr, V_KIND: tl.constexpr, MASKED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
                 ADAMW: tl.constexpr, MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr):
-    """Load, decode, update, encode and store one [rows, 256] tile of one tensor (table row ``row``)."""
+    """Load, decode, update, encode and store one tile of one tensor (table row ``row``): ``offs`` from
+    _tile_offsets, ``rows`` [ROWS] its blocks; MASKED: only the lanes inside the tensor (a mask of None
+    elsewhere: no compare is computed, block_absmax takes every lane)."""
+    mask = offs < numel if MASKED else None
     a_master, a_p16 = tl.load(row + 0), tl.load(row + 6)
-    p16_ptr = typed_pointer(a_p16, tl.uint16, ALIGNED)
-    master_ptr = typed_pointer(a_master, tl.float32, ALIGNED)
-    grad_ptr = typed_pointer(tl.load(row + 1), GRAD_DTYPE, ALIGNED)
     if MASTER_KIND == 1:
-        rem_ptr = typed_pointer(a_master, tl.int16, ALIGNED)
-        p = join_remainder(ld(p16_ptr, offs, mask, MASKED), ld(rem_ptr, offs, mask, MASKED))
+        p = join_remainder(ld(typed_pointer(a_p16, tl.uint16, ALIGNED), offs, mask, MASKED),
+                           ld(typed_pointer(a_master, tl.int16, ALIGNED), offs, mask, MASKED))
     else:
-        p = ld(master_ptr, offs, mask, MASKED)
-    g = ld(grad_ptr, offs, mask, MASKED).to(tl.float32)
-    m = _load_moment(tl.load(row + 2), tl.load(row + 4), offs, mask, rows, MASKED, M_KIND, False, ALIGNED)
-    v = _load_moment(tl.load(row + 3), tl.load(row + 5), offs, mask, rows, MASKED, V_KIND, True, ALIGNED)
+        p = ld(typed_pointer(a_master, tl.float32, ALIGNED), offs, mask, MASKED)
+    g = ld(typed_pointer(tl.load(row + 1), GRAD_DTYPE, ALIGNED), offs, mask, MASKED).to(tl.float32)
+    m = _load_moment(tl.load(row + 2), tl.load(row + 4), offs, mask, rows, numel, MASKED, M_KIND, False, ALIGNED)
+    v = _load_moment(tl.load(row + 3), tl.load(row + 5), offs, mask, rows, numel, MASKED, V_KIND, True, ALIGNED)
     p, m, v, _, root = adam_update(p, g, m, v, v, step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1,
                                    beta2, one_minus_beta2, eps, weight_decay, HAS_GRAD_SCALE, ADAMW, False,
                                    MAXIMIZE)
-    _store_moment(m, root, tl.load(row + 2), tl.load(row + 4), offs, mask, rows, index_offset, m_key, MASKED,
-                  M_KIND, False, ALIGNED)
-    _store_moment(v, root, tl.load(row + 3), tl.load(row + 5), offs, mask, rows, index_offset, v_key, MASKED,
-                  V_KIND, True, ALIGNED)
-    if MASTER_KIND == 1:
-        hi, rem = split_remainder(p)
-        st(p16_ptr, offs, hi, mask, MASKED)
-        st(rem_ptr, offs, rem, mask, MASKED)
+    # The parameter first, its registers free before the moments' row reductions (8-bit: -8 registers); not
+    # next to an fp8 moment, where triton 3.6's ptxas then spills a few bytes.
+    P_FIRST: tl.constexpr = M_KIND != 3 and V_KIND != 3
+    if P_FIRST:
+        _store_param(p, a_master, a_p16, offs, mask, MASKED, P16_KIND, MASTER_KIND, ALIGNED)
+    _store_moment(m, root, tl.load(row + 2), tl.load(row + 4), offs, mask, rows, numel, index_offset, m_key,
+                  MASKED, M_KIND, False, ALIGNED)
+    _store_moment(v, root, tl.load(row + 3), tl.load(row + 5), offs, mask, rows, numel, index_offset, v_key,
+                  MASKED, V_KIND, True, ALIGNED)
+    if not P_FIRST:
+        _store_param(p, a_master, a_p16, offs, mask, MASKED, P16_KIND, MASTER_KIND, ALIGNED)
+
+
+@triton.jit
+def _tile_offsets(block_start, ROWS: tl.constexpr, VEC: tl.constexpr, HINTED: tl.constexpr):
+    """int64 offsets of a block, [H, ROWS, L] (ROWS_AXIS 1) or [ROWS, H, L] (H = QBLOCK // L, L = 32 * VEC):
+    element (h, r, l) is element h * L + l of row (quantization block) r, so lane j of warp r holds VEC
+    contiguous elements at each of the H steps of L. HINTED (the 128-bit path): contiguous runs of exactly VEC
+    (the uint8 codes would be given 8 or 16, the shape's own 128 or 256), starting at multiples of VEC, so
+    Triton's coalescing gives every array (uint8 to fp32) the same VEC elements per thread; unhinted (VEC 1),
+    one element per thread. A 2-D [ROWS, 256] tile cannot hold 4 per thread with a row per warp: Triton would
+    spread a row over 64 lanes. Call it inside the branch that uses it ([Note: hints mark the defining op])."""
+    L: tl.constexpr = 32 * VEC
+    h = tl.arange(0, QBLOCK // L).to(tl.int64) * L
+    r = tl.arange(0, ROWS).to(tl.int64) * QBLOCK
+    if ROWS_AXIS == 1:
+        offs = block_start + h[:, None, None] + r[None, :, None] + tl.arange(0, L).to(tl.int64)[None, None, :]
     else:
-        st(master_ptr, offs, p, mask, MASKED)
-        if P16_KIND == 1:
-            st(p16_ptr, offs, round_bf16_bits(p), mask, MASKED)
-        elif P16_KIND == 2:
-            st(typed_pointer(a_p16, tl.float16, ALIGNED), offs, p.to(tl.float16), mask, MASKED)
+        offs = block_start + r[:, None, None] + h[None, :, None] + tl.arange(0, L).to(tl.int64)[None, None, :]
+    if HINTED:
+        offs = tl.max_contiguous(tl.multiple_of(offs, [1, 1, VEC]), [1, 1, VEC])
+    return offs
 
 
 @triton.jit
@@ -151,7 +223,7 @@ def fused_adam_coded_kernel(
     HAS_FOUND_INF: tl.constexpr,   # read *found_inf_ptr and skip the step when nonzero
     ADAMW: tl.constexpr,           # decoupled weight decay (p *= decay) instead of L2 (g += weight_decay * p)
     MAXIMIZE: tl.constexpr,        # ascend: the gradient is negated
-    BLOCK_SIZE: tl.constexpr,      # elements per iteration: a [BLOCK_SIZE // 256, 256] tile
+    BLOCK_SIZE: tl.constexpr,      # elements per iteration: BLOCK_SIZE // 256 rows (one per warp)
     N_ITERS: tl.constexpr,         # iterations per program
 ):
     if HAS_FOUND_INF:
@@ -164,23 +236,24 @@ def fused_adam_coded_kernel(
     m_key, v_key = tl.load(keys + t * 3).to(tl.uint32), tl.load(keys + t * 3 + 1).to(tl.uint32)
     index_offset = tl.load(keys + t * 3 + 2)
     grad_scale = tl.load(grad_scale_ptr) if HAS_GRAD_SCALE else 1.0
-    tile = tl.arange(0, BLOCK_SIZE // QBLOCK).to(tl.int64)[:, None] * QBLOCK + tl.arange(0, QBLOCK).to(tl.int64)[None, :]
+    ROWS: tl.constexpr = BLOCK_SIZE // QBLOCK
+    # 128-bit accesses of the widest array: 4 per thread when one is fp32 (and the others follow), else 8
+    VEC: tl.constexpr = 4 if (MASTER_KIND == 0 or GRAD_DTYPE == tl.float32 or M_KIND == 0 or V_KIND == 0) else 8
     for i in range(N_ITERS):
         block_start = start + i * BLOCK_SIZE
-        offs = tl.max_contiguous(tl.multiple_of(block_start + tile, [QBLOCK, QBLOCK]), [1, QBLOCK])
-        rows = block_start // QBLOCK + tl.arange(0, BLOCK_SIZE // QBLOCK).to(tl.int64)
-        args = (row, offs, offs < numel, rows, step_size, bc2_sqrt, decay, grad_scale, m_key, v_key, index_offset,
+        rows = block_start // QBLOCK + tl.arange(0, ROWS).to(tl.int64)
+        args = (rows, numel, step_size, bc2_sqrt, decay, grad_scale, m_key, v_key, index_offset,
                 one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay)
         if block_start + BLOCK_SIZE <= numel:
             if aligned:
-                _coded_tile(*args, GRAD_DTYPE, P16_KIND, MASTER_KIND, M_KIND, V_KIND, False, HAS_GRAD_SCALE, ADAMW,
-                            MAXIMIZE, True)
+                _coded_tile(row, _tile_offsets(block_start, ROWS, VEC, True), *args, GRAD_DTYPE, P16_KIND,
+                            MASTER_KIND, M_KIND, V_KIND, False, HAS_GRAD_SCALE, ADAMW, MAXIMIZE, True)
             else:
-                _coded_tile(*args, GRAD_DTYPE, P16_KIND, MASTER_KIND, M_KIND, V_KIND, False, HAS_GRAD_SCALE, ADAMW,
-                            MAXIMIZE, False)
+                _coded_tile(row, _tile_offsets(block_start, ROWS, 1, False), *args, GRAD_DTYPE, P16_KIND,
+                            MASTER_KIND, M_KIND, V_KIND, False, HAS_GRAD_SCALE, ADAMW, MAXIMIZE, False)
         elif block_start < numel:
-            _coded_tile(*args, GRAD_DTYPE, P16_KIND, MASTER_KIND, M_KIND, V_KIND, True, HAS_GRAD_SCALE, ADAMW,
-                        MAXIMIZE, False)
+            _coded_tile(row, _tile_offsets(block_start, ROWS, 1, False), *args, GRAD_DTYPE, P16_KIND,
+                        MASTER_KIND, M_KIND, V_KIND, True, HAS_GRAD_SCALE, ADAMW, MAXIMIZE, False)
 
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -250,12 +323,14 @@ def _launch(key: tuple, rows: list[int], numels: list[int], c: Tensor, k: Tensor
             one_minus_beta1, float(beta2), one_minus_beta2, float(eps), float(weight_decay),
             GRAD_DTYPE=_TL[grad_dtype], P16_KIND=_P16[p16_dtype], MASTER_KIND=master_kind, M_KIND=_KIND[m_dtype],
             V_KIND=_KIND[v_dtype], HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-            ADAMW=bool(adamw), MAXIMIZE=bool(maximize), BLOCK_SIZE=BLOCK, N_ITERS=ITERS, **LAUNCH_OPTIONS)
+            ADAMW=bool(adamw), MAXIMIZE=bool(maximize), BLOCK_SIZE=BLOCK, N_ITERS=ITERS,
+            **launch_options(_KIND[m_dtype], _KIND[v_dtype]))
 
 
 # Ahead-of-time codegen cases (tests/test_codegen.py, sm_80 and sm_90): every state kind of each moment, the
 # remainder and fp32-master layouts, bf16, fp16 and fp32 gradients; the 8-bit moment codec (kind 2) for both
-# moments together, for exp_avg_sq next to an fp32 / fp8 exp_avg, and for exp_avg next to a bf16 exp_avg_sq.
+# moments together (remainder; fp32 master with fp32 or bf16 gradients), for exp_avg_sq next to an fp32 / fp8
+# exp_avg, and for exp_avg next to a bf16 exp_avg_sq.
 def _codegen_cases() -> list:
     sig = dict(ptr_table="*i64", numels="*i64", coeffs="*fp32", keys="*i64", chunk_tensor="*i32",
                chunk_start="*i64", grad_scale_ptr="*fp32", found_inf_ptr="*fp32", one_minus_beta1="fp32",
@@ -266,7 +341,7 @@ def _codegen_cases() -> list:
                                               (tl.bfloat16, 1, 0, 1, 1), (tl.float32, 0, 0, 3, 3),
                                               (tl.bfloat16, 1, 1, 1, 3), (tl.float16, 2, 0, 2, 1),
                                               (tl.float32, 0, 0, 2, 2), (tl.bfloat16, 1, 0, 0, 2),
-                                              (tl.bfloat16, 1, 1, 3, 2)):
+                                              (tl.bfloat16, 1, 1, 3, 2), (tl.bfloat16, 1, 0, 2, 2)):
         ce = dict(GRAD_DTYPE=grad, P16_KIND=p16, MASTER_KIND=master, M_KIND=m_kind, V_KIND=v_kind,
                   HAS_GRAD_SCALE=True, HAS_FOUND_INF=True, ADAMW=True, MAXIMIZE=False, BLOCK_SIZE=BLOCK,
                   N_ITERS=ITERS)
@@ -275,7 +350,8 @@ def _codegen_cases() -> list:
         # 128-bit accesses: at least one wide load and store (fp32 arrays) when
         # an fp32 array is present, else the check below is "no wide accesses required".
         wide = int(master == 0 and p16 == 0) + (m_kind == 0) + (v_kind == 0)
-        opts = dict(LAUNCH_OPTIONS, streaming=True, min_wide_loads=wide, min_wide_stores=wide, max_shared=4096)
+        opts = dict(launch_options(m_kind, v_kind), streaming=True, min_wide_loads=wide, min_wide_stores=wide,
+                    max_shared=0, max_spill=8 if m_kind == v_kind == 2 else 0)
         cases.append((fused_adam_coded_kernel, sig, ce, desc, opts))
     return cases
 

@@ -10,13 +10,16 @@ Each kernels module (``zero_kernels.kernels.<name>``, source in ``kernels/<name>
          constexprs,    # {arg: value} for every tl.constexpr argument (tl.float32 etc. allowed)
          description,   # short text shown in the test id, e.g. "grad=bf16 p16=bf16 amsgrad"
          options),      # OPTIONAL dict, every key optional:
-                        #   num_warps (4), num_stages (3), enable_fp_fusion (triton's default):
+                        #   num_warps (4), num_stages (3), enable_fp_fusion (triton's default),
+                        #     maxnreg (none: a register cap per thread):
                         #     as the launcher passes them (share one dict with the launch);
                         #   streaming (True): assert 128-bit global loads AND stores in the PTX;
                         #   min_wide_loads / min_wide_stores (1): how many 128-bit ld / st at least
                         #     (e.g. 4 fp32 arrays x 2 words per thread = 8);
                         #   max_shared (0): bytes of shared memory allowed (a block reduction
                         #     across warps needs some; 0 for pure streaming kernels);
+                        #   max_spill (0): bytes of spill stores (and of spill loads) allowed; only
+                        #     with a maxnreg cap measured to pay for its spills (say where);
                         #   divisible_by_16 (all pointer args): args given tt.divisibility=16,
                         #     like the JIT does for torch allocations; list the int args too if the
                         #     launcher guarantees it (multiples of 16), or [] for none.
@@ -36,7 +39,8 @@ For every case and for sm_80 and sm_90 (``GPUTarget("cuda", 80|90, 32)``) the te
     kernel, so no variant is compiled to scalar accesses only;
   * no kernel spills: Triton's own ptxas (``triton/backends/nvidia/bin``, the exact one
     triton.compile uses, same flags) is rerun with ``-v`` on the PTX and must report
-    ``0 bytes spill stores, 0 bytes spill loads``; registers are printed (``pytest -s``).
+    ``0 bytes spill stores, 0 bytes spill loads`` (at most ``max_spill`` each where a case allows
+    some); registers are printed (``pytest -s``).
 A further test fails when a module defines a kernel (a top-level @triton.jit function not called by
 another one in the module) that no case covers.
 
@@ -80,8 +84,8 @@ def normalize_case(case) -> dict:
         raise TypeError(f"a CODEGEN_CASES entry is (kernel, signature, constexprs, description[, options]), got {case!r}")
     kernel, signature, constexprs, description = case[:4]
     options = dict(case[4]) if len(case) == 5 else {}
-    unknown = set(options) - {"num_warps", "num_stages", "enable_fp_fusion", "streaming", "min_wide_loads",
-                              "min_wide_stores", "divisible_by_16", "max_shared"}
+    unknown = set(options) - {"num_warps", "num_stages", "enable_fp_fusion", "maxnreg", "streaming", "min_wide_loads",
+                              "min_wide_stores", "divisible_by_16", "max_shared", "max_spill"}
     if unknown:
         raise ValueError(f"{description}: unknown options {sorted(unknown)}")
     return dict(kernel=kernel, signature=dict(signature), constexprs=dict(constexprs),
@@ -202,8 +206,9 @@ def compile_case(case: dict, capability: int) -> dict:
     src = ASTSource(kernel, full_sig, constexprs, attrs)
     target = GPUTarget("cuda", capability, 32)
     options = {"num_warps": opts.get("num_warps", 4), "num_stages": opts.get("num_stages", 3)}
-    if "enable_fp_fusion" in opts:
-        options["enable_fp_fusion"] = opts["enable_fp_fusion"]
+    for k in ("enable_fp_fusion", "maxnreg"):
+        if k in opts:
+            options[k] = opts[k]
     compiled = triton.compile(src, target=target, options=options)
     ptx = compiled.asm["ptx"]
     fp_fusion = getattr(compiled.metadata, "enable_fp_fusion", True)
@@ -327,9 +332,10 @@ def test_codegen(report, module, index, description, options, arch):
           f"fp_fusion={r['fp_fusion']} ieee={r['ieee']}")
     assert p["returncode"] == 0, f"ptxas failed:\n{p['log']}"
     assert p["spill_stores"] is not None, f"could not parse ptxas -v output:\n{p['log']}"
-    assert p["spill_stores"] == 0 and p["spill_loads"] == 0, (
-        f"{description} on {arch} spills: {p['spill_stores']} B stores, {p['spill_loads']} B loads "
-        f"({p['regs']} registers)\n{p['log']}")
+    max_spill = options.get("max_spill", 0)
+    assert p["spill_stores"] <= max_spill and p["spill_loads"] <= max_spill, (
+        f"{description} on {arch} spills: {p['spill_stores']} B stores, {p['spill_loads']} B loads, "
+        f"{max_spill} allowed ({p['regs']} registers)\n{p['log']}")
     if options.get("streaming", True):
         need_ld, need_st = options.get("min_wide_loads", 1), options.get("min_wide_stores", 1)
         assert wide_ld >= need_ld and wide_st >= need_st, (
