@@ -255,6 +255,50 @@ def test_optimizer_cpu_equals_reference(fmt):
     assert_equal(*run("cpu"), *run("reference"))
 
 
+def test_large_tensor_codes_are_staggered_views_of_one_buffer(tmp_path):
+    """[Note: staggered code arrays]: a large CPU tensor's two 1-byte code arrays share one buffer, exp_avg_sq
+    CODE_STAGGER bytes past a 4 KB boundary after exp_avg's end; the kernel on that layout equals the reference,
+    and a state dict saved from it (one storage) resumes bit for bit. A small tensor and bf16 moments keep separate
+    arrays (negative controls of the layout check)."""
+    n = C.CODE_PACK_MIN + 3
+    fmt = dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8, store_param_remainders=True)
+
+    def make(backend, sizes=(n, 1000)):
+        g = torch.Generator().manual_seed(11)
+        ps = [torch.randn(s, generator=g).to(BF).requires_grad_() for s in sizes]
+        return ps, zk.FusedAdamW(ps, lr=1e-2, weight_decay=0.1, backend=backend, **fmt)
+
+    def steps(ps, opt, ts):
+        for t in ts:
+            for p, gr in zip(ps, grads_for(9, t, ps, BF)):
+                p.grad = gr
+            opt.step()
+
+    def shares(st):
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        return m.untyped_storage().data_ptr() == v.untyped_storage().data_ptr(), v.data_ptr() - m.data_ptr()
+
+    (ps, opt), (qs, ref) = make("cpu"), make("reference")
+    steps(ps, opt, range(2))
+    steps(qs, ref, range(2))
+    assert_equal(ps, [opt.state[p] for p in ps], qs, [ref.state[q] for q in qs])
+    same, delta = shares(opt.state[ps[0]])
+    assert same and delta >= n and delta % 4096 == C.CODE_STAGGER
+    assert opt.state[ps[0]]["exp_avg"].is_contiguous() and opt.state[ps[0]]["exp_avg_sq"].is_contiguous()
+    assert not shares(opt.state[ps[1]])[0], "a 1000-element tensor should keep separate code arrays"
+    bf = C.init_coded_state(torch.zeros(n, dtype=BF), exp_avg_dtype=BF, exp_avg_sq_dtype=BF)
+    assert not shares(bf)[0], "2-byte moments should keep separate arrays"
+
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    ps2, opt2 = make("cpu")
+    for p, q in zip(ps2, ps):
+        p.data.copy_(q.data)
+    opt2.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+    steps(ps, opt, [2])
+    steps(ps2, opt2, [2])
+    assert_equal(ps, [opt.state[p] for p in ps], ps2, [opt2.state[p] for p in ps2])
+
+
 # ------------------------------------------------------------------------------------- negative controls
 @pytest.mark.parametrize("wrong", ["v8 square root", "m8 truncated", "seed"])
 def test_negative_controls(wrong, monkeypatch):
