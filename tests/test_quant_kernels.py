@@ -1,7 +1,7 @@
 """The ZeRO++ wire codec kernels (kernels/quant.py, [Note: the wire codec kernels]) interpreted, against
 the reference codec (zero_kernels.codecs.encode_q8 / decode_q8) bit for bit: odd sizes (partial last
 block, partial last program), a size below one block, an all-zero block, NaN and inf blocks, every
-midpoint of the code book (the ties), accumulation into an fp32 buffer; negative controls."""
+midpoint of the code book below 1 at scale 1 (the ties, which take the lower code), accumulation into an fp32 buffer; negative controls."""
 from __future__ import annotations
 
 import os
@@ -23,9 +23,9 @@ def _values(n: int, seed: int) -> torch.Tensor:
     x = torch.randn(n, generator=g) * torch.linspace(0.01, 5.0, n)
     if n > 3 * BLOCK:
         x[BLOCK:2 * BLOCK] = 0.0                                      # an all-zero block
-        mid = midpoints(TABLE)
-        x[2 * BLOCK:2 * BLOCK + 255] = mid                            # ties (scale 1 with the next line)
-        x[2 * BLOCK + 255] = 1.0
+        # ties: the book spans [-1, 128/127], so every midpoint but the top one (above 1) is a tie at scale 1
+        x[2 * BLOCK:2 * BLOCK + 254] = midpoints(TABLE)[:254]
+        x[2 * BLOCK + 254], x[2 * BLOCK + 255] = 1.0, -1.0            # the block's absmax: scale 1, y = x
     return x
 
 
@@ -39,6 +39,8 @@ def test_encode_decode_equal_the_codec(n):
     c, s = q8_encode_triton(x, midpoints(TABLE))
     assert torch.equal(s.nan_to_num(nan=-1.0), s_ref.nan_to_num(nan=-1.0))
     assert torch.equal(c, c_ref), int((c != c_ref).sum())
+    if n > 3 * BLOCK:   # the ties are ties (scale exactly 1) and take the lower code, as torch.bucketize
+        assert s_ref[2].item() == 1.0 and torch.equal(c[2 * BLOCK:2 * BLOCK + 254].long(), torch.arange(254))
     want = decode_q8(c_ref, s_ref, TABLE)
     out = q8_decode_triton(c, s, TABLE, torch.empty(n))
     assert torch.equal(out.nan_to_num(nan=-1.0), want.nan_to_num(nan=-1.0))

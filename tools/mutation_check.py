@@ -236,9 +236,10 @@ FAULTS = [
      "bf16 SR with 15 random bits: biased rounding"),
     ("cod.sr_not_per_element", KC, "idx = ((offs + index_offset)", "idx = ((offs * 0 + index_offset)", "coded",
      "bf16 SR bits not keyed by the element index"),
+    # (the table codec's search, shared by the ZeRO++ wire codec since the step's 8-bit codec became arithmetic)
     ("cod.q8_tie_up", KC, "code = tl.where(mid < y, code + step, code)", "code = tl.where(mid <= y, code + step, code)",
-     "coded", "8-bit code of a value on a midpoint takes the upper entry"),
-    ("cod.q8_nan_code", KC, "return tl.where(y != y, 255, code).to(tl.uint8)", "return code.to(tl.uint8)", "coded",
+     "wire", "8-bit table code of a value on a midpoint takes the upper entry"),
+    ("cod.q8_nan_code", KC, "return tl.where(y != y, 255, code).to(tl.uint8)", "return code.to(tl.uint8)", "wire",
      "NaN coded 0 instead of torch.bucketize's 255"),
     ("cod.scale_low_bit", KC, "x.to(tl.int32, bitcast=True) & 0x7FFFFFFF", "x.to(tl.int32, bitcast=True) & 0x7FFFFFFE",
      "coded", "block scale not the exact absmax"),
@@ -252,7 +253,15 @@ FAULTS = [
      "bf16 parameter truncated instead of rounded to nearest even"),
     ("cod.nan_scale_payload", KC, "return tl.where(m > 0x7F800000, 0x7FC00000, m)", "return m", "coded",
      "NaN block scale keeps the largest payload instead of torch.amax's 0x7FC00000"),
+    ("cod.scale_lane", KCA, "keep = lane == 0", "keep = lane == 1", "coded",
+     "block scale stored by lane 1 (one slot past its block) instead of lane 0"),
+    ("cod.tile_h_stride", KCA, "h = tl.arange(0, QBLOCK // L).to(tl.int64) * L", "h = tl.arange(0, QBLOCK // L).to(tl.int64) * 32",
+     "coded", "tile steps of 32 elements instead of L: rows overlap and skip elements"),
+    ("cod.store_param_dropped", KCA, "_store_param(p, a_master, a_p16, offs, mask, MASKED, P16_KIND, MASTER_KIND, ALIGNED)\n    _store_moment",
+     "_store_moment", "coded", "the parameter not stored before the moments (8-bit / bf16 / fp32 states)"),
     # --- the C++ coded-state CPU kernel (csrc/cpu_adam_coded*.h)
+    ("ccod.fused_v_codes_from_m", CCS, "zk_v8_code1(bs + i, v_key, vc + i);", "zk_v8_code1(bm + i, v_key, vc + i);",
+     "cpu_coded", "C++ 8-bit block: v codes of the second pass taken from m's buffer"),
     ("ccod.sr_carry_dropped", CCS, "Q::shr<16>(Q::addi(Q::bi(v), r))", "Q::shr<16>(Q::bi(v))", "cpu_coded",
      "C++ bf16 moment truncated instead of stochastically rounded"),
     ("ccod.nan_scale_payload", CQ8, "if (u > 0x7F800000u) u = 0x7FC00000u;", "", "cpu_coded",
@@ -260,7 +269,8 @@ FAULTS = [
     ("ccod.f8_scale_480", CCS, "zk_q8_absmax(x) / 448.0f", "zk_q8_absmax(x) / 480.0f", "cpu_coded",
      "C++ fp8 block scale from 480 instead of 448"),
     ("ccod.avx512_level0_swapped", CCV, "perm32(t.tail[4], j), perm32(t.tail[5], j)",
-     "perm32(t.tail[5], j), perm32(t.tail[4], j)", "cpu_coded", "C++ AVX-512 8-bit search: level-0 candidates swapped"),
+     "perm32(t.tail[5], j), perm32(t.tail[4], j)", "wire_cpu",
+     "C++ AVX-512 8-bit table search (the wire codec's): level-0 candidates swapped"),
 
     # --- ZeRO++ wire codec (qwZ / qgZ): the Triton kernels and the torch encoder
     ("wire.decode_accumulate_overwrites", KQ, "y = ld(out_ptr, offs, mask, MASKED) + y", "y = y", "wire",
