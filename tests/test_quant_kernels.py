@@ -1,7 +1,8 @@
 """The ZeRO++ wire codec kernels (kernels/quant.py, [Note: the wire codec kernels]) interpreted, against
 the reference codec (zero_kernels.codecs.encode_q8 / decode_q8) bit for bit: odd sizes (partial last
 block, partial last program), a size below one block, an all-zero block, NaN and inf blocks, every
-midpoint of the code book below 1 at scale 1 (the ties, which take the lower code), accumulation into an fp32 buffer; negative controls."""
+midpoint of the code book below 1 at scale 1 (the ties, which take the lower code), accumulation into an
+fp32 buffer; negative controls."""
 from __future__ import annotations
 
 import os
