@@ -5,13 +5,14 @@
     python bench/gpu_coded_tune.py --base zero_kernels._kernels_base --variants 4x1024x4,base:4x1024x4
 
 A variant is WARPSxBLOCKxITERS[rMAXNREG] (num_warps, elements per iteration = BLOCK // 256 quantization blocks,
-iterations per program, optionally a register cap per thread); ``base:WARPSxBLOCKxITERS`` runs the kernel of another copy of kernels/ instead (``--base``: a module
-path, e.g. a baseline kernels/ copied to zero_kernels/_kernels_base), interleaved with the others in the same
-process: an A/B of a kernel change on one warm GPU. Each variant's first step is checked bit for bit against
-the first variant's on the same inputs (a variant that differs is marked FAILED and not timed); then device
-time per step, median over rounds (CUDA events around FusedAdamW.step, states and gradients fixed). GB/s from
-bench/gpu.py's byte counts. The kernel's module globals are set per variant (BLOCK, ITERS, CHUNK,
-LAUNCH_OPTIONS, the kernel itself): a tuning tool, not a way to run the optimizer. Without a CUDA GPU it says so and exits 0.
+iterations per program, optionally a register cap per thread); ``base:WARPSxBLOCKxITERS`` runs the kernel of
+another copy of kernels/ instead (``--base``: a module path, e.g. a baseline kernels/ copied to
+zero_kernels/_kernels_base), interleaved with the others in the same process: an A/B of a kernel change on one
+warm GPU. Each variant's first step is checked bit for bit against the first variant's on the same inputs (a
+variant that differs is marked FAILED and not timed); then device time per step, median over rounds (CUDA events
+around FusedAdamW.step, states and gradients fixed). GB/s from bench/gpu.py's byte counts. The kernel's module
+globals are set per variant (BLOCK, ITERS, CHUNK, LAUNCH_OPTIONS, Q8_MAXNREG, the kernel itself): a tuning
+tool, not a way to run the optimizer. Without a CUDA GPU it says so and exits 0.
 """
 from __future__ import annotations
 

@@ -440,8 +440,7 @@ def _moment_codes(layout: dict, device) -> dict[str, Tensor]:
     (dm, shape), (dv, _) = layout["exp_avg"], layout["exp_avg_sq"]
     n = math.prod(shape)
     if not (torch.device(device).type == "cpu" and dm.itemsize == dv.itemsize == 1 and n >= CODE_PACK_MIN):
-        return {k: torch.zeros(sh, dtype=dt, device=device) for k, (dt, sh) in
-                (("exp_avg", layout["exp_avg"]), ("exp_avg_sq", layout["exp_avg_sq"]))}
+        return {k: torch.zeros(layout[k][1], dtype=layout[k][0], device=device) for k in ("exp_avg", "exp_avg_sq")}
     start = -(-n // 4096) * 4096 + CODE_STAGGER
     buf = torch.zeros(start + n, dtype=torch.uint8, device=device)
     return {"exp_avg": buf[:n].view(dm).view(shape), "exp_avg_sq": buf[start:].view(dv).view(shape)}
