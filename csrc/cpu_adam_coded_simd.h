@@ -290,7 +290,10 @@ ZK_TGT static inline void zk_c_prefetch(const void* base, int i0) {
 // (zk_c_prefetch). Encoding in the second pass made the step 8-9% faster on a Zen 4 core (one thread,
 // L2-resident block: 35.2 -> 32.2 cycles per 16 elements with an fp32 master, 36.5 -> 33.2 with
 // remainders); it is compute-bound, not divider-bound (a division by RN(1 / bc2) with two FMAs, exact
-// by Markstein's theorem, freed the divider and made it 10% slower: more instructions).
+// by Markstein's theorem, freed the divider and made it 10% slower: more instructions; without any
+// division or square root it was still 29.6 cycles), so vector ops are what to save: the NaN rules of
+// split2 / bf16x2 behind one compare, the v scale's max on the raw bits, the bf16 gradient by word
+// permutes (Q::bf16_2) took it to 30.1 / 31.0 cycles.
 // With 16-bit lanes (Q::kPair), two vectors share one remainder join and split, or one bf16 rounding.
 // The caller sends a block whose v scale is not finite (its v decodes to NaN) to zk_c_block_general.
 template <int GT, bool L2, bool REM, bool PLAIN>
@@ -321,16 +324,20 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
     zk_c_prefetch<GT == ZK_F32 ? 4 : 2, STEP>(a.g, i0);
     zk_c_prefetch<1, STEP>(mc, i0);
     zk_c_prefetch<1, STEP>(vc, i0);
+    constexpr bool g_pair = GT == ZK_BF16 && Q::kPair;
+    V::F gx[2];
+    if constexpr (g_pair) Q::bf16_2(static_cast<const uint16_t*>(a.g) + i0, gx[0], gx[1]);
     for (int u = 0; u < STEP / V::W; ++u) {
       const int i = i0 + u * V::W;
       V::F pv = V::set1(0.0f);
       if constexpr (L2) pv = REM ? zk_c_join1(p16 + i, rem + i) : V::load(master + i);
       V::F mv = zk_m8_decode(mc + i, mstep), vv = zk_v8_decode(vc + i, vbase);
-      const V::F sq = zk_c_moments1(k, zk_c_grad1<L2, PLAIN>(k, zk_c_grad<GT>(a.g, i), pv), mv, vv);
+      const V::F gv = g_pair ? gx[u] : zk_c_grad<GT>(a.g, i);
+      const V::F sq = zk_c_moments1(k, zk_c_grad1<L2, PLAIN>(k, gv, pv), mv, vv);
       V::store(bm + i, mv);
       V::store(bs + i, sq);
       am = Q::maxi(am, zk_q8_absbits(mv));
-      as = Q::maxi(as, zk_q8_absbits(sq));
+      as = Q::maxu(as, Q::bi(sq));  // sqrt(v) is +0, positive or NaN (v = b2 v + (1 - b2) g g is never -0)
     }
   }
   // The block scales are known now: the second pass also writes the codes (unless a scale is 0 or not
@@ -338,7 +345,7 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
   float ms, vs;
   if (n == ZK_QBLOCK) {
     ms = zk_q8_scale(am);
-    vs = zk_q8_scale(as);
+    vs = zk_q8_scale_bits(Q::hmaxu(as));
   } else {  // the padding must not enter the block scales (a non-finite grad scale makes it NaN)
     std::memset(bm + n, 0, (ZK_QBLOCK - n) * sizeof(float));
     std::memset(bs + n, 0, (ZK_QBLOCK - n) * sizeof(float));

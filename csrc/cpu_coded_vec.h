@@ -11,7 +11,9 @@
 //   `lookup256` = table[code] (256 fp32 entries) and `q8_code` = number of the 255 midpoints strictly
 //   below y by an 8-step binary search over per-level tables (ZkLevels), the wire codec's, the same
 //   comparisons in every path (a NaN y compares false everywhere: code 0, fixed by the caller);
-//   `kPair` paths (AVX-512 F+BW) also have join2 / split2 / bf16x2, two vectors in 16-bit lanes.
+//   `maxu` / `hmaxu`: the unsigned running max and its reduction (a block scale of values known to be >= +0
+//   or NaN, on their bits: no abs needed);
+//   `kPair` paths (AVX-512 F+BW) also have join2 / split2 / bf16x2 / bf16_2, two vectors in 16-bit lanes.
 #pragma once
 
 #include "cpu_vec.h"
@@ -59,6 +61,7 @@ struct Q {
   static inline void join2(const uint16_t*, const int16_t*, F&, F&) {}
   static inline void split2(F, F, uint16_t*, int16_t*) {}
   static inline void bf16x2(F, F, uint16_t*, bool) {}
+  static inline void bf16_2(const uint16_t*, F&, F&) {}
   static inline F bf(I x) { F f; std::memcpy(&f, &x, 4); return f; }
   static inline I bi(F x) { I u; std::memcpy(&u, &x, 4); return u; }
   static inline F ldf(const float* p) { return *p; }
@@ -99,6 +102,8 @@ struct Q {
   static inline I seli(M m, I a, I b) { return m ? a : b; }
   static inline F self(M m, F a, F b) { return m ? a : b; }
   static inline uint32_t hmaxi(I a) { return a; }
+  static inline I maxu(I a, I b) { return a > b ? a : b; }
+  static inline uint32_t hmaxu(I a) { return a; }
   static inline F lookup256(const ZkLevels& t, I code) { return t.tab[code]; }
   static inline I q8_code(const ZkLevels& t, F y) {
     I code = 0;
@@ -121,6 +126,7 @@ struct Q {
   ZK_TGT static inline void join2(const uint16_t*, const int16_t*, F&, F&) {}
   ZK_TGT static inline void split2(F, F, uint16_t*, int16_t*) {}
   ZK_TGT static inline void bf16x2(F, F, uint16_t*, bool) {}
+  ZK_TGT static inline void bf16_2(const uint16_t*, F&, F&) {}
   ZK_TGT static inline F bf(I x) { return _mm256_castsi256_ps(x); }
   ZK_TGT static inline I bi(F x) { return _mm256_castps_si256(x); }
   ZK_TGT static inline F ldf(const float* p) { return _mm256_loadu_ps(p); }
@@ -186,6 +192,13 @@ struct Q {
     __m128i x = _mm_max_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
     x = _mm_max_epi32(x, _mm_shuffle_epi32(x, 0x4E));
     x = _mm_max_epi32(x, _mm_shuffle_epi32(x, 0xB1));
+    return static_cast<uint32_t>(_mm_cvtsi128_si32(x));
+  }
+  ZK_TGT static inline I maxu(I a, I b) { return _mm256_max_epu32(a, b); }
+  ZK_TGT static inline uint32_t hmaxu(I a) {
+    __m128i x = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0x4E));
+    x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0xB1));
     return static_cast<uint32_t>(_mm_cvtsi128_si32(x));
   }
   ZK_TGT static inline F lookup256(const ZkLevels& t, I code) {
@@ -283,6 +296,8 @@ struct Q {
   ZK_TGT static inline I seli(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
   ZK_TGT static inline F self(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
   ZK_TGT static inline uint32_t hmaxi(I a) { return static_cast<uint32_t>(_mm512_reduce_max_epi32(a)); }
+  ZK_TGT static inline I maxu(I a, I b) { return _mm512_max_epu32(a, b); }
+  ZK_TGT static inline uint32_t hmaxu(I a) { return static_cast<uint32_t>(_mm512_reduce_max_epu32(a)); }
   // Two vectors (32 elements) of fp32 masters <-> 32 bf16 parameters + 32 int16 remainders, worked in
   // 16-bit lanes (AVX512BW): the same bits as cpu_adam_coded_simd.h's zk_c_join1 / zk_c_split1
   // ([Note: state codecs] 3): bits = (hi << 16) + rem is hi - (rem < 0) over the low word rem; the split
@@ -305,6 +320,10 @@ struct Q {
     x0 = bf(_mm512_permutex2var_epi16(r, lo_idx, h));
     x1 = bf(_mm512_permutex2var_epi16(r, _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16)), h));
   }
+  //
+  // A NaN lane is rare (it poisons its parameter for good), so the NaN rules run only where one compare
+  // of x0 with x1 (unordered: a NaN in either) finds one: 2 vector ops per 32 elements instead of 6, and
+  // no call (an out-of-line path made the compiler rebuild its constants inside the loop).
   ZK_TGT static inline void split2(F x0, F x1, uint16_t* hp, int16_t* rp) {
     const I lo = _mm512_permutex2var_epi16(bi(x0), words(0), bi(x1));
     const I hi = _mm512_permutex2var_epi16(bi(x0), words(1), bi(x1));
@@ -312,13 +331,19 @@ struct Q {
     const __mmask32 tie = _mm512_cmpeq_epi16_mask(lo, half);
     const __mmask32 up =
         _mm512_cmpgt_epu16_mask(lo, half) | (tie & _mm512_test_epi16_mask(hi, _mm512_set1_epi16(1)));
-    const __mmask32 nan = _mm512_kunpackw(_mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q),
-                                          _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q));
     I h = _mm512_mask_add_epi16(hi, up, hi, _mm512_set1_epi16(1));
-    h = _mm512_mask_mov_epi16(h, nan, _mm512_set1_epi16(0x7FC0));
-    const I r = _mm512_mask_mov_epi16(lo, tie & ~up, _mm512_set1_epi16(0x7FFF));
+    I r = _mm512_mask_mov_epi16(lo, tie & ~up, _mm512_set1_epi16(0x7FFF));
+    if (__builtin_expect(_mm512_cmp_ps_mask(x0, x1, _CMP_UNORD_Q) != 0, 0)) {
+      const __mmask32 nan = nan2(x0, x1);
+      h = _mm512_mask_mov_epi16(h, nan, _mm512_set1_epi16(0x7FC0));
+      r = _mm512_maskz_mov_epi16(~nan, r);
+    }
     _mm512_storeu_si512(hp, h);
-    _mm512_storeu_si512(rp, _mm512_maskz_mov_epi16(~nan, r));
+    _mm512_storeu_si512(rp, r);
+  }
+  // The NaN lanes of x0 (bits 0-15) and x1 (bits 16-31).
+  ZK_TGT static inline __mmask32 nan2(F x0, F x1) {
+    return _mm512_kunpackw(_mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q), _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q));
   }
   // Two vectors rounded to bf16 in 16-bit lanes, the bits of V::store_bf16 (cpu_vec.h): round to nearest
   // even; a NaN keeps its sign and high payload, quieted (| 0x0040), as torch's cast. nt: a streaming
@@ -329,12 +354,20 @@ struct Q {
     const I half = _mm512_set1_epi16(static_cast<short>(0x8000));
     const __mmask32 up = _mm512_cmpgt_epu16_mask(lo, half) |
                          (_mm512_cmpeq_epi16_mask(lo, half) & _mm512_test_epi16_mask(hi, _mm512_set1_epi16(1)));
-    const __mmask32 nan = _mm512_kunpackw(_mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q),
-                                          _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q));
-    const I h = _mm512_mask_add_epi16(hi, up, hi, _mm512_set1_epi16(1));
-    const I out = _mm512_mask_mov_epi16(h, nan, _mm512_or_si512(hi, _mm512_set1_epi16(0x0040)));
+    I out = _mm512_mask_add_epi16(hi, up, hi, _mm512_set1_epi16(1));
+    if (__builtin_expect(_mm512_cmp_ps_mask(x0, x1, _CMP_UNORD_Q) != 0, 0))  // as split2: NaN lanes are rare
+      out = _mm512_mask_mov_epi16(out, nan2(x0, x1), _mm512_or_si512(hi, _mm512_set1_epi16(0x0040)));
     if (nt) _mm512_stream_si512(reinterpret_cast<__m512i*>(hp), out);
     else _mm512_storeu_si512(hp, out);
+  }
+  // 32 bf16 values -> two fp32 vectors (elements 0-15, 16-31): one zero-masked word permute per vector puts
+  // each bf16 in the high half of its lane (the bits of V::load_bf16, one vector op less per 16 elements).
+  ZK_TGT static inline void bf16_2(const uint16_t* p, F& x0, F& x1) {
+    const I g = _mm512_loadu_si512(p);
+    const I idx = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0,
+                                   7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+    x0 = bf(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx, g));
+    x1 = bf(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, _mm512_add_epi16(idx, _mm512_set1_epi16(16)), g));
   }
   // 32-entry lookup in two registers (bits 0-4 of the index), then blends on the higher bits.
   ZK_TGT static inline F perm32(const float* t, I k) {

@@ -16,13 +16,14 @@
 // zk_q8_absbits: |x| as bits (a lane of the running max); zk_q8_scale: the block scale from the running max.
 ZK_TGT static inline Q::I zk_q8_absbits(Q::F x) { return Q::andi(Q::bi(x), Q::set1i(0x7FFFFFFF)); }
 
-ZK_TGT static inline float zk_q8_scale(Q::I acc) {
-  uint32_t u = Q::hmaxi(acc);
+// zk_q8_scale_bits: the scale from the max of the bits (|x| bits, or the raw bits of values >= +0 / NaN).
+ZK_TGT static inline float zk_q8_scale_bits(uint32_t u) {
   if (u > 0x7F800000u) u = 0x7FC00000u;
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
+ZK_TGT static inline float zk_q8_scale(Q::I acc) { return zk_q8_scale_bits(Q::hmaxi(acc)); }
 
 ZK_TGT static inline float zk_q8_absmax(const float* x) {
   Q::I acc = Q::set1i(0);
