@@ -43,13 +43,18 @@ ZK_TGT static inline bool zk_v8_finite(float scale) { return (zk_f32_bits(scale)
 // (magic: 1.5 * 2^23). v: log codes of s = sqrt(v) >= 0 given k = 255 * 2^19 + 2^18 - bits(scale) for a
 // finite scale: (bits(s) - bits(scale)) + 255 * 2^19 + 2^18 fits an int32, so one wrapping add of the
 // constant folded with -bits(scale) gives it.
-ZK_TGT static inline void zk_m8_code1(const float* x, Q::F inv, Q::F magic, uint8_t* dst) {
-  Q::st_u8(dst, Q::bi(Q::add(Q::mul(Q::ldf(x), inv), magic)));
+// *_bits: the code in the low 8 bits of each lane (*_code1 stores them).
+ZK_TGT static inline Q::I zk_m8_code_bits(const float* x, Q::F inv, Q::F magic) {
+  return Q::bi(Q::add(Q::mul(Q::ldf(x), inv), magic));
 }
-ZK_TGT static inline void zk_v8_code1(const float* s, Q::I k, uint8_t* dst) {
+ZK_TGT static inline Q::I zk_v8_code_bits(const float* s, Q::I k) {
   const Q::I b = Q::bi(Q::ldf(s));
-  Q::st_u8(dst, Q::v8_raise(b, Q::srai<19>(Q::addi(b, k))));
+  return Q::v8_raise(b, Q::srai<19>(Q::addi(b, k)));
 }
+ZK_TGT static inline void zk_m8_code1(const float* x, Q::F inv, Q::F magic, uint8_t* dst) {
+  Q::st_u8(dst, zk_m8_code_bits(x, inv, magic));
+}
+ZK_TGT static inline void zk_v8_code1(const float* s, Q::I k, uint8_t* dst) { Q::st_u8(dst, zk_v8_code_bits(s, k)); }
 ZK_TGT static inline Q::I zk_v8_key(float scale) { return Q::set1i(ZK_V8_TOP + ZK_V8_HALF - zk_f32_bits(scale)); }
 
 // int8 codes of m (x: the block's updated m), given inv.
@@ -293,7 +298,8 @@ ZK_TGT static inline void zk_c_prefetch(const void* base, int i0) {
 // by Markstein's theorem, freed the divider and made it 10% slower: more instructions; without any
 // division or square root it was still 29.6 cycles), so vector ops are what to save: the NaN rules of
 // split2 / bf16x2 behind one compare, the v scale's max on the raw bits, the bf16 gradient by word
-// permutes (Q::bf16_2) took it to 30.1 / 31.0 cycles.
+// permutes (Q::bf16_2) took it to 30.1 / 31.0 cycles. The AVX2 path got the 16-bit-lane pair ops too
+// (Q::kPair, 16 elements per step): 44 -> 42 / 51 -> 42 cycles per 16 elements (same core, ymm).
 // With 16-bit lanes (Q::kPair), two vectors share one remainder join and split, or one bf16 rounding.
 // The caller sends a block whose v scale is not finite (its v decodes to NaN) to zk_c_block_general.
 template <int GT, bool L2, bool REM, bool PLAIN>
@@ -367,6 +373,7 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
       if (p16 && !nt16) zk_c_prefetch<2, STEP>(p16, i0);
     }
     V::F px[2];
+    Q::I mcode[2], vcode[2];
     if constexpr (REM && Q::kPair) Q::join2(p16 + i0, rem + i0, px[0], px[1]);
     for (int u = 0; u < STEP / V::W; ++u) {
       const int i = i0 + u * V::W;
@@ -376,14 +383,25 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
       else pv = V::load(master + i);
       pv = zk_c_param1(k, pv, V::load(bm + i), V::load(bs + i));
       if (codes_here) {
-        zk_m8_code1(bm + i, m_inv, magic, mc + i);
-        zk_v8_code1(bs + i, v_key, vc + i);
+        if constexpr (Q::kPair) {  // stored by pairs below
+          mcode[u] = zk_m8_code_bits(bm + i, m_inv, magic);
+          vcode[u] = zk_v8_code_bits(bs + i, v_key);
+        } else {
+          zk_m8_code1(bm + i, m_inv, magic, mc + i);
+          zk_v8_code1(bs + i, v_key, vc + i);
+        }
       }
       if constexpr (Q::kPair) px[u] = pv;
       if constexpr (REM && !Q::kPair) zk_c_split1(pv, p16 + i, rem + i);
       if constexpr (!REM) {
         if (bf16_pair) V::store(master + i, pv);
         else zk_c_store_master(j, a, i, pv);
+      }
+    }
+    if constexpr (Q::kPair) {
+      if (codes_here) {
+        Q::st_u8x2(mc + i0, mcode[0], mcode[1]);
+        Q::st_u8x2(vc + i0, vcode[0], vcode[1]);
       }
     }
     if constexpr (REM && Q::kPair) Q::split2(px[0], px[1], p16 + i0, rem + i0);

@@ -13,7 +13,8 @@
 //   comparisons in every path (a NaN y compares false everywhere: code 0, fixed by the caller);
 //   `maxu` / `hmaxu`: the unsigned running max and its reduction (a block scale of values known to be >= +0
 //   or NaN, on their bits: no abs needed);
-//   `kPair` paths (AVX-512 F+BW) also have join2 / split2 / bf16x2 / bf16_2, two vectors in 16-bit lanes.
+//   `kPair` paths (AVX-512 F+BW, AVX2) also have join2 / split2 / bf16x2 / bf16_2, two vectors in 16-bit
+//   lanes, and st_u8x2 (the low bytes of two vectors, in order).
 #pragma once
 
 #include "cpu_vec.h"
@@ -62,6 +63,7 @@ struct Q {
   static inline void split2(F, F, uint16_t*, int16_t*) {}
   static inline void bf16x2(F, F, uint16_t*, bool) {}
   static inline void bf16_2(const uint16_t*, F&, F&) {}
+  static inline void st_u8x2(uint8_t*, I, I) {}
   static inline F bf(I x) { F f; std::memcpy(&f, &x, 4); return f; }
   static inline I bi(F x) { I u; std::memcpy(&u, &x, 4); return u; }
   static inline F ldf(const float* p) { return *p; }
@@ -122,11 +124,71 @@ struct Q {
   using I = __m256i;
   using M = __m256i;  // all-ones lanes
   static constexpr int W = 8;
-  static constexpr bool kPair = false;  // as zk_scalar::Q: never called
-  ZK_TGT static inline void join2(const uint16_t*, const int16_t*, F&, F&) {}
-  ZK_TGT static inline void split2(F, F, uint16_t*, int16_t*) {}
-  ZK_TGT static inline void bf16x2(F, F, uint16_t*, bool) {}
-  ZK_TGT static inline void bf16_2(const uint16_t*, F&, F&) {}
+  // Two vectors (16 elements) in 16-bit lanes, as the AVX-512 path's (the same bits as zk_c_join1 /
+  // zk_c_split1 / V::store_bf16 / V::load_bf16): 16 words of a register are elements 0-15 in order after a
+  // qword permute (packus / unpack work within 128-bit lanes). Fewer ops than one vector at a time
+  // (per 16 elements: split 18 vs 38, join 6 vs 8, code stores 6 vs 10).
+  static constexpr bool kPair = true;
+  // words -> the order unpack / packus see: qwords 0, 2, 1, 3 (its own inverse)
+  ZK_TGT static inline I qswap(I x) { return _mm256_permute4x64_epi64(x, 0xD8); }
+  // the low 16 bits of a's then b's lanes (each lane within [0, 65535]), elements in order
+  ZK_TGT static inline I words2(I a, I b) { return qswap(_mm256_packus_epi32(a, b)); }
+  ZK_TGT static inline void join2(const uint16_t* hp, const int16_t* rp, F& x0, F& x1) {
+    const I r = qswap(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rp)));
+    I h = qswap(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hp)));
+    h = _mm256_add_epi16(h, _mm256_cmpgt_epi16(_mm256_setzero_si256(), r));  // hi - 1 where rem < 0
+    x0 = bf(_mm256_unpacklo_epi16(r, h));                                      // (hi << 16) | rem word
+    x1 = bf(_mm256_unpackhi_epi16(r, h));
+  }
+  // hi / lo words of two vectors' bits; up: lanes rounded up to nearest even (lo > 0x8000, or a tie
+  // under an odd hi): lo + (hi & 1) > 0x8000 unsigned (saturating), as a signed compare of t ^ 0x8000.
+  ZK_TGT static inline void rne_words(F x0, F x1, I& hi, I& lo, I& up) {
+    hi = words2(_mm256_srli_epi32(bi(x0), 16), _mm256_srli_epi32(bi(x1), 16));
+    const I low = set1i(0xFFFF);
+    lo = words2(_mm256_and_si256(bi(x0), low), _mm256_and_si256(bi(x1), low));
+    const I t = _mm256_adds_epu16(lo, _mm256_and_si256(hi, _mm256_set1_epi16(1)));
+    up = _mm256_cmpgt_epi16(_mm256_xor_si256(t, _mm256_set1_epi16(static_cast<short>(0x8000))),
+                            _mm256_setzero_si256());
+  }
+  // The NaN lanes of x0, x1 as words (rare: callers test nan_any first).
+  ZK_TGT static inline bool nan_any(F x0, F x1) { return _mm256_movemask_ps(_mm256_cmp_ps(x0, x1, _CMP_UNORD_Q)) != 0; }
+  ZK_TGT static inline I nan_words(F x0, F x1) {
+    return qswap(_mm256_packs_epi32(bi(_mm256_cmp_ps(x0, x0, _CMP_UNORD_Q)), bi(_mm256_cmp_ps(x1, x1, _CMP_UNORD_Q))));
+  }
+  // rem = lo where rounded up (as int16: lo - 65536), else min(lo, 0x7FFF) (the tie kept below); NaN -> 0x7FC0 / 0.
+  ZK_TGT static inline void split2(F x0, F x1, uint16_t* hp, int16_t* rp) {
+    I hi, lo, up;
+    rne_words(x0, x1, hi, lo, up);
+    I h = _mm256_sub_epi16(hi, up);
+    I r = _mm256_blendv_epi8(_mm256_min_epu16(lo, _mm256_set1_epi16(0x7FFF)), lo, up);
+    if (__builtin_expect(nan_any(x0, x1), 0)) {
+      const I nan = nan_words(x0, x1);
+      h = _mm256_blendv_epi8(h, _mm256_set1_epi16(0x7FC0), nan);
+      r = _mm256_andnot_si256(nan, r);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hp), h);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(rp), r);
+  }
+  ZK_TGT static inline void bf16x2(F x0, F x1, uint16_t* hp, bool nt) {
+    I hi, lo, up;
+    rne_words(x0, x1, hi, lo, up);
+    I out = _mm256_sub_epi16(hi, up);
+    if (__builtin_expect(nan_any(x0, x1), 0))
+      out = _mm256_blendv_epi8(out, _mm256_or_si256(hi, _mm256_set1_epi16(0x0040)), nan_words(x0, x1));
+    if (nt) _mm256_stream_si256(reinterpret_cast<__m256i*>(hp), out);
+    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(hp), out);
+  }
+  ZK_TGT static inline void bf16_2(const uint16_t* p, F& x0, F& x1) {
+    const I g = qswap(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    x0 = bf(_mm256_unpacklo_epi16(_mm256_setzero_si256(), g));
+    x1 = bf(_mm256_unpackhi_epi16(_mm256_setzero_si256(), g));
+  }
+  ZK_TGT static inline void st_u8x2(uint8_t* p, I a, I b) {
+    const I low = set1i(0xFF);
+    const I w = words2(_mm256_and_si256(a, low), _mm256_and_si256(b, low));   // 16 words, in order
+    const I bytes = _mm256_permute4x64_epi64(_mm256_packus_epi16(w, w), 0x08);  // qwords 0 and 2
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(bytes));
+  }
   ZK_TGT static inline F bf(I x) { return _mm256_castsi256_ps(x); }
   ZK_TGT static inline I bi(F x) { return _mm256_castps_si256(x); }
   ZK_TGT static inline F ldf(const float* p) { return _mm256_loadu_ps(p); }
@@ -360,6 +422,7 @@ struct Q {
     if (nt) _mm512_stream_si512(reinterpret_cast<__m512i*>(hp), out);
     else _mm512_storeu_si512(hp, out);
   }
+  ZK_TGT static inline void st_u8x2(uint8_t* p, I a, I b) { st_u8(p, a); st_u8(p + W, b); }
   // 32 bf16 values -> two fp32 vectors (elements 0-15, 16-31): one zero-masked word permute per vector puts
   // each bf16 in the high half of its lane (the bits of V::load_bf16, one vector op less per 16 elements).
   ZK_TGT static inline void bf16_2(const uint16_t* p, F& x0, F& x1) {

@@ -248,8 +248,13 @@ ISA_SCRIPT = textwrap.dedent("""
     from zero_kernels import _ext
     out = {{"isa": _ext.cpu_module().cpu_isa()}}
     torch.set_num_threads(2)
+    # the special-value tests, on this path (the 16-bit-lane pair ops differ between AVX-512 and AVX2)
+    T.test_remainder_split_on_ties_and_special_values(4133)
+    T.test_nan_masters_stay_nan_in_the_bf16_parameter()
+    T.test_nan_and_inf_gradients("remainder", T.U8, T.U8)
     for m, v, layout, gdt in ((T.U8, T.U8, "remainder", T.BF), (T.F8, T.BF, "fp32", T.F32),
-                              (T.BF, T.F8, "fp16+master", T.F16), (T.F32, T.U8, "bf16+master", T.BF)):
+                              (T.BF, T.F8, "fp16+master", T.F16), (T.F32, T.U8, "bf16+master", T.BF),
+                              (T.U8, T.U8, "bf16+master", T.BF)):
         ps, states = T.check(layout, m, v, gdt=gdt, hp="l2+max" if m == T.F8 else "adamw", steps=2,
                              sizes=[1, 255, 257, 5000])
         h = hashlib.sha256()
@@ -264,7 +269,7 @@ ISA_SCRIPT = textwrap.dedent("""
 
 def test_every_simd_path_bitwise():
     """avx512, avx2 and scalar (ZERO_KERNELS_CPU_ISA; an unsupported one is lowered) each equal the reference
-    (the script asserts it) and give the same bits."""
+    (the script asserts it, and runs the tie / NaN tests above on that path) and give the same bits."""
     script = ISA_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)))
     results = {}
     for isa in ("avx512", "avx2", "scalar"):
