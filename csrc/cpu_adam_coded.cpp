@@ -12,6 +12,8 @@
 //
 // Arguments are checked by the front end (check_coded_adam_args in csrc/adam_front.cpp).
 
+#include <type_traits>
+
 #include "fused_adam.h"
 #include "cpu_coded_vec.h"
 

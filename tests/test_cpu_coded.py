@@ -180,7 +180,8 @@ _NEG_NAN = {BF: -0x40, F16: -0x200, F32: -0x400000}   # 0xFFC0, 0xFE00, 0xFFC000
 
 @pytest.mark.parametrize("layout,m_dtype,v_dtype", [("remainder", U8, U8), ("remainder", BF, F8), ("fp32", F8, BF),
                                                     ("bf16+master", U8, F8), ("fp32", F32, U8),
-                                                    ("bf16+master", U8, U8)])
+                                                    ("bf16+master", U8, U8), ("remainder", BF, BF),
+                                                    ("bf16+master", BF, BF)])
 def test_nan_and_inf_gradients(layout, m_dtype, v_dtype):
     """A NaN gradient poisons its element (and its 8-bit / fp8 block), infinities theirs, over two steps (the
     poisoned codes are decoded again): every state bit as the reference after each step (the first step's
