@@ -382,7 +382,6 @@ struct Q {
     x0 = bf(_mm512_permutex2var_epi16(r, lo_idx, h));
     x1 = bf(_mm512_permutex2var_epi16(r, _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16)), h));
   }
-  //
   // A NaN lane is rare (it poisons its parameter for good), so the NaN rules run only where one compare
   // of x0 with x1 (unordered: a NaN in either) finds one: 2 vector ops per 32 elements instead of 6, and
   // no call (an out-of-line path made the compiler rebuild its constants inside the loop).
