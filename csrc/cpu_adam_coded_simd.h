@@ -292,6 +292,65 @@ ZK_TGT static inline void zk_c_prefetch(const void* base, int i0) {
   }
 }
 
+// Elements per step of the fused blocks: with 16-bit lanes (Q::kPair) two vectors share one remainder join
+// and split, one bf16 rounding, one gradient widening and one code store.
+constexpr int ZK_C_STEP = Q::kPair ? 2 * V::W : V::W;
+
+// The gradient vectors of the step at i0.
+template <int GT>
+ZK_TGT static inline void zk_c_grads(const void* g, int i0, V::F* gx) {
+  if constexpr (GT == ZK_BF16 && Q::kPair) Q::bf16_2(static_cast<const uint16_t*>(g) + i0, gx[0], gx[1]);
+  else
+    for (int u = 0; u < ZK_C_STEP / V::W; ++u) gx[u] = zk_c_grad<GT>(g, i0 + u * V::W);
+}
+
+// The master side of a fused block, one step (ZK_C_STEP elements) at a time: the fp32 master (and its
+// 16-bit copy) or, with REM, the bf16 parameter + int16 remainder; begin / get the step's vectors, put the
+// new ones, end writes what goes by pairs. The arrays are copied out of `a` (the uint8 code stores may alias
+// anything: the compiler would reload a's fields after each of them).
+template <bool REM>
+struct ZkCMasterSide {
+  const ZkCJob& j;
+  const ZkCArrays& a;
+  uint16_t* p16;
+  int16_t* rem;
+  float* master;
+  bool bf16_pair;  // the bf16 copy rounded two vectors at a time
+  bool nt16;       // ... and streamed (write-only here: no read-for-ownership; zk_c_blocks fences per chunk)
+  V::F px[2];
+  ZK_TGT ZkCMasterSide(const ZkCJob& j_, const ZkCArrays& a_)
+      : j(j_), a(a_), p16(static_cast<uint16_t*>(a_.p16)), rem(a_.rem), master(a_.master),
+        bf16_pair(!REM && Q::kPair && j_.p16_kind == ZK_BF16),
+        nt16(bf16_pair && (reinterpret_cast<uintptr_t>(a_.p16) & 63) == 0) {}
+  ZK_TGT void begin(int i0) {
+    if constexpr (REM) {
+      zk_c_prefetch<2, ZK_C_STEP>(p16, i0);
+      zk_c_prefetch<2, ZK_C_STEP>(rem, i0);
+      if constexpr (Q::kPair) Q::join2(p16 + i0, rem + i0, px[0], px[1]);
+    } else {
+      zk_c_prefetch<4, ZK_C_STEP>(master, i0);
+      if (p16 && !nt16) zk_c_prefetch<2, ZK_C_STEP>(p16, i0);
+    }
+  }
+  ZK_TGT V::F get(int u, int i) const {
+    if constexpr (REM && Q::kPair) return px[u];
+    else if constexpr (REM) return zk_c_join1(p16 + i, rem + i);
+    else return V::load(master + i);
+  }
+  ZK_TGT void put(int u, int i, V::F pv) {
+    if constexpr (Q::kPair) px[u] = pv;
+    if constexpr (REM && !Q::kPair) zk_c_split1(pv, p16 + i, rem + i);
+    if constexpr (!REM) {
+      if (bf16_pair) V::store(master + i, pv);
+      else zk_c_store_master(j, a, i, pv);
+    }
+  }
+  ZK_TGT void end(int i0) {
+    if constexpr (REM && Q::kPair) Q::split2(px[0], px[1], p16 + i0, rem + i0);
+    else if (bf16_pair) Q::bf16x2(px[0], px[1], p16 + i0, nt16);
+  }
+};
+
 // Both moments 8-bit (the memory-saving layout): the first pass decodes and updates the moments, keeps
 // them in L1 buffers (m and sqrt(v)) and their running absmax in registers; the block scales follow, and
 // the second pass updates the master from the buffers and writes the codes from the same loads (a third
@@ -310,18 +369,15 @@ template <int GT, bool L2, bool REM, bool PLAIN>
 ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCArrays& a, int n) {
   alignas(64) float bm[ZK_QBLOCK];
   alignas(64) float bs[ZK_QBLOCK];
-  constexpr int STEP = Q::kPair ? 2 * V::W : V::W;   // 16-bit lanes: two vectors share a join / split / bf16
-  const bool bf16_pair = !REM && Q::kPair && j.p16_kind == ZK_BF16;
-  // The bf16 copy is write-only here: stream it (no read-for-ownership of its lines) when aligned;
-  // zk_c_blocks fences once per chunk.
-  const bool nt16 = bf16_pair && (reinterpret_cast<uintptr_t>(a.p16) & 63) == 0;
+  constexpr int STEP = ZK_C_STEP;
   // The arrays as locals: the uint8 code stores may alias anything, so the compiler would reload a's
   // fields after each of them.
   uint8_t* mc = static_cast<uint8_t*>(a.m);
   uint8_t* vc = static_cast<uint8_t*>(a.v);
-  uint16_t* p16 = static_cast<uint16_t*>(a.p16);
-  int16_t* rem = a.rem;
-  float* master = a.master;
+  ZkCMasterSide<REM> ms_(j, a);
+  const uint16_t* p16 = ms_.p16;
+  const int16_t* rem = ms_.rem;
+  const float* master = ms_.master;
   const Q::F mstep = Q::set1f(*a.m_scale / ZK_M8_LEVELS);
   const Q::I vbase = Q::set1i(zk_f32_bits(*a.v_scale) - ZK_V8_TOP);
   const ZkCConst k = zk_c_const(j, h);
@@ -334,16 +390,14 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
     zk_c_prefetch<GT == ZK_F32 ? 4 : 2, STEP>(a.g, i0);
     zk_c_prefetch<1, STEP>(mc, i0);
     zk_c_prefetch<1, STEP>(vc, i0);
-    constexpr bool g_pair = GT == ZK_BF16 && Q::kPair;
     V::F gx[2];
-    if constexpr (g_pair) Q::bf16_2(static_cast<const uint16_t*>(a.g) + i0, gx[0], gx[1]);
+    zk_c_grads<GT>(a.g, i0, gx);
     for (int u = 0; u < STEP / V::W; ++u) {
       const int i = i0 + u * V::W;
       V::F pv = V::set1(0.0f);
       if constexpr (L2) pv = REM ? zk_c_join1(p16 + i, rem + i) : V::load(master + i);
       V::F mv = zk_m8_decode(mc + i, mstep), vv = zk_v8_decode(vc + i, vbase);
-      const V::F gv = g_pair ? gx[u] : zk_c_grad<GT>(a.g, i);
-      const V::F sq = zk_c_moments1(k, zk_c_grad1<L2, PLAIN>(k, gv, pv), mv, vv);
+      const V::F sq = zk_c_moments1(k, zk_c_grad1<L2, PLAIN>(k, gx[u], pv), mv, vv);
       V::store(bm + i, mv);
       V::store(bs + i, sq);
       am = Q::maxi(am, zk_q8_absbits(mv));
@@ -369,23 +423,11 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
   const Q::F m_inv = Q::set1f(minv), magic = Q::set1f(12582912.0f);
   const Q::I v_key = zk_v8_key(vs);
   for (int i0 = 0; i0 < ZK_QBLOCK; i0 += STEP) {
-    if constexpr (REM) {
-      zk_c_prefetch<2, STEP>(p16, i0);
-      zk_c_prefetch<2, STEP>(rem, i0);
-    } else {
-      zk_c_prefetch<4, STEP>(master, i0);
-      if (p16 && !nt16) zk_c_prefetch<2, STEP>(p16, i0);
-    }
-    V::F px[2];
     Q::I mcode[2], vcode[2];
-    if constexpr (REM && Q::kPair) Q::join2(p16 + i0, rem + i0, px[0], px[1]);
+    ms_.begin(i0);
     for (int u = 0; u < STEP / V::W; ++u) {
       const int i = i0 + u * V::W;
-      V::F pv;
-      if constexpr (REM && Q::kPair) pv = px[u];
-      else if constexpr (REM) pv = zk_c_join1(p16 + i, rem + i);
-      else pv = V::load(master + i);
-      pv = zk_c_param1(k, pv, V::load(bm + i), V::load(bs + i));
+      const V::F pv = zk_c_param1(k, ms_.get(u, i), V::load(bm + i), V::load(bs + i));
       if (codes_here) {
         if constexpr (Q::kPair) {  // stored by pairs below
           mcode[u] = zk_m8_code_bits(bm + i, m_inv, magic);
@@ -395,12 +437,7 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
           zk_v8_code1(bs + i, v_key, vc + i);
         }
       }
-      if constexpr (Q::kPair) px[u] = pv;
-      if constexpr (REM && !Q::kPair) zk_c_split1(pv, p16 + i, rem + i);
-      if constexpr (!REM) {
-        if (bf16_pair) V::store(master + i, pv);
-        else zk_c_store_master(j, a, i, pv);
-      }
+      ms_.put(u, i, pv);
     }
     if constexpr (Q::kPair) {
       if (codes_here) {
@@ -408,8 +445,7 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
         Q::st_u8x2(vc + i0, vcode[0], vcode[1]);
       }
     }
-    if constexpr (REM && Q::kPair) Q::split2(px[0], px[1], p16 + i0, rem + i0);
-    else if (bf16_pair) Q::bf16x2(px[0], px[1], p16 + i0, nt16);
+    ms_.end(i0);
   }
   if (!codes_here) {
     zk_m8_codes(bm, minv, mc);
@@ -423,52 +459,30 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
 // (58 -> 41 cycles per 16 elements on one Zen 4 core, remainders, AVX-512).
 template <int GT, bool L2, bool REM, bool PLAIN>
 ZK_TGT static void zk_c_block_b16(const ZkCJob& j, const ZkCHyper& h, const ZkCArrays& a, uint32_t idx0) {
-  constexpr int STEP = Q::kPair ? 2 * V::W : V::W;
-  const bool bf16_pair = !REM && Q::kPair && j.p16_kind == ZK_BF16;
-  const bool nt16 = bf16_pair && (reinterpret_cast<uintptr_t>(a.p16) & 63) == 0;  // as zk_c_block_q8
   uint16_t* mb = static_cast<uint16_t*>(a.m);
   uint16_t* vb = static_cast<uint16_t*>(a.v);
-  uint16_t* p16 = static_cast<uint16_t*>(a.p16);
-  int16_t* rem = a.rem;
-  float* master = a.master;
+  ZkCMasterSide<REM> ms_(j, a);
   const ZkCConst k = zk_c_const(j, h);
   const Q::I mkey = Q::set1i(j.m_key), vkey = Q::set1i(j.v_key);
   Q::I idx = Q::addi(Q::set1i(idx0), Q::iota());
-  for (int i0 = 0; i0 < ZK_QBLOCK; i0 += STEP) {
-    zk_c_prefetch<GT == ZK_F32 ? 4 : 2, STEP>(a.g, i0);
-    zk_c_prefetch<2, STEP>(mb, i0);
-    zk_c_prefetch<2, STEP>(vb, i0);
-    if constexpr (REM) {
-      zk_c_prefetch<2, STEP>(p16, i0);
-      zk_c_prefetch<2, STEP>(rem, i0);
-    } else {
-      zk_c_prefetch<4, STEP>(master, i0);
-    }
-    constexpr bool g_pair = GT == ZK_BF16 && Q::kPair;
-    V::F gx[2], px[2];
-    if constexpr (g_pair) Q::bf16_2(static_cast<const uint16_t*>(a.g) + i0, gx[0], gx[1]);
-    if constexpr (REM && Q::kPair) Q::join2(p16 + i0, rem + i0, px[0], px[1]);
-    for (int u = 0; u < STEP / V::W; ++u, idx = Q::addi(idx, Q::set1i(V::W))) {
+  for (int i0 = 0; i0 < ZK_QBLOCK; i0 += ZK_C_STEP) {
+    zk_c_prefetch<GT == ZK_F32 ? 4 : 2, ZK_C_STEP>(a.g, i0);
+    zk_c_prefetch<2, ZK_C_STEP>(mb, i0);
+    zk_c_prefetch<2, ZK_C_STEP>(vb, i0);
+    V::F gx[2];
+    zk_c_grads<GT>(a.g, i0, gx);
+    ms_.begin(i0);
+    for (int u = 0; u < ZK_C_STEP / V::W; ++u, idx = Q::addi(idx, Q::set1i(V::W))) {
       const int i = i0 + u * V::W;
-      V::F pv;
-      if constexpr (REM && Q::kPair) pv = px[u];
-      else if constexpr (REM) pv = zk_c_join1(p16 + i, rem + i);
-      else pv = V::load(master + i);
+      V::F pv = ms_.get(u, i);
       V::F mv = V::load_bf16(mb + i), vv = V::load_bf16(vb + i);
-      const V::F gv = g_pair ? gx[u] : zk_c_grad<GT>(a.g, i);
-      const V::F sq = zk_c_moments1(k, zk_c_grad1<L2, PLAIN>(k, gv, pv), mv, vv);
+      const V::F sq = zk_c_moments1(k, zk_c_grad1<L2, PLAIN>(k, gx[u], pv), mv, vv);
       pv = zk_c_param1(k, pv, mv, sq);
       zk_c_sr_bf16(mv, idx, mkey, mb + i);
       zk_c_sr_bf16(vv, idx, vkey, vb + i);
-      if constexpr (Q::kPair) px[u] = pv;
-      if constexpr (REM && !Q::kPair) zk_c_split1(pv, p16 + i, rem + i);
-      if constexpr (!REM) {
-        if (bf16_pair) V::store(master + i, pv);
-        else zk_c_store_master(j, a, i, pv);
-      }
+      ms_.put(u, i, pv);
     }
-    if constexpr (REM && Q::kPair) Q::split2(px[0], px[1], p16 + i0, rem + i0);
-    else if (bf16_pair) Q::bf16x2(px[0], px[1], p16 + i0, nt16);
+    ms_.end(i0);
   }
 }
 
