@@ -30,6 +30,18 @@ All of a kernel's loads and stores must also share one register layout, or Trito
 them through shared memory: each launcher picks num_warps so that one thread's elements per
 access fit in 128 bits for every dtype it touches.
 
+[Note: full and rest launches]
+A kernel holding both the 128-bit path and the one-element-per-thread paths (misaligned tensors, a tensor's
+last block) is given the registers of the hungriest path, and every program pays for them in occupancy, though
+the other paths run in a few programs at most (the coded Adam kernel, sm_90: 77-102 registers per thread with
+every path, 59-79 with the 128-bit path alone). So a launcher may split its chunk map in two (``split_chunks``,
+``split_launch_tables``): the FULL chunks (inside their tensor, every address of the tensor 16-byte aligned:
+decided on the host from the pointer table's integers, the same test the kernel does) go to a launch that
+compiles the 128-bit path only, the rest to a launch of the kernel with every path. The host decides what the
+kernel would: a chunk the host calls full would take the aligned unmasked path in the other kernel too. Both
+launches are cached like the others ([Note: device tables]); a step with tails or misaligned tensors costs one
+more launch.
+
 [Note: hints mark the defining op]
 ``tl.multiple_of(x, 16)`` creates no new value: it sets a divisibility attribute on the op that
 defined ``x``. A pointer made once before ``if aligned:`` and hinted inside that branch is therefore
@@ -201,6 +213,36 @@ def chunk_map(numels: tuple[int, ...], chunk: int, device: torch.device) -> tupl
         starts = [j * chunk for c in counts for j in range(c)]
         return (list(numels), tensor_idx, starts), None
     return TABLES.get(("chunks", chunk, numels), device, build, (torch.int64, torch.int32, torch.int64))[0]
+
+
+def split_chunks(numels: Sequence[int], aligned: Sequence[bool], chunk: int) -> tuple[list[int], ...]:
+    """The chunk map split in two ([Note: full and rest launches]): (tensor, start) lists of the full chunks and
+    of the rest, ``(full_tensor, full_start, rest_tensor, rest_start)``. Chunk j of tensor t is full iff
+    ``aligned[t]`` and it lies inside the tensor, (j + 1) * chunk <= numels[t]; the order is kept in each."""
+    full_t, full_s, rest_t, rest_s = [], [], [], []
+    for t, (n, ok) in enumerate(zip(numels, aligned)):
+        whole = n // chunk if ok else 0
+        full_t += [t] * whole
+        full_s += range(0, whole * chunk, chunk)
+        rest_t += [t] * ((n + chunk - 1) // chunk - whole)
+        rest_s += range(whole * chunk, n, chunk)
+    return full_t, full_s, rest_t, rest_s
+
+
+def split_launch_tables(rows: Sequence[int], numels: Sequence[int],
+                        aligned: Callable[[Sequence[int]], Sequence[bool]], chunk: int,
+                        device: torch.device) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """(pointer table, numels, (chunk_tensor, chunk_start) of the full chunks, the same of the rest) as device
+    tensors, cached on the pointers and sizes like ``pointer_table`` and ``chunk_map`` (a hit costs their two
+    hashes); ``aligned(rows)``, per tensor whether the kernel may take the 128-bit path, runs on a miss only."""
+    rows, numels = tuple(rows), tuple(numels)
+
+    def build():
+        return (rows, numels, *split_chunks(numels, aligned(rows), chunk)), None
+    table, numels_t, full_t, full_s, rest_t, rest_s = TABLES.get(
+        ("split_launch", chunk, rows, numels), device, build,
+        (torch.int64, torch.int64, torch.int32, torch.int64, torch.int32, torch.int64))[0]
+    return table, numels_t, (full_t, full_s), (rest_t, rest_s)
 
 
 def pointer_table(rows: Sequence[int], device: torch.device) -> Tensor:

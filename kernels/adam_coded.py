@@ -21,6 +21,10 @@ tests/test_codegen.py prints them). H200 (2026-11-26, interleaved in one process
 bench/gpu_coded_tune.py --base): 1.04-1.11x (llama7b-layer) and 1.15-1.20x (gpt2-xl) faster, bit for bit the
 same; Nsight Compute (llama7b-layer, 8bit+rem): DRAM 49% -> 56% busy, occupancy 25% -> 29% (90 registers,
 before the cap). Still latency-bound: the step moves ~2.0-2.6 TB/s of the ~4 the streaming kernels reach.
+Since then the chunks inside their tensor with every address aligned run in a launch of their own whose kernel
+holds the 128-bit path alone (FULL; [Note: full and rest launches] in _multi_tensor.py): 59-79 registers per
+thread instead of 77-102 (sm_90, the codegen cases; not yet timed on a GPU); the rest chunks (a tensor's last,
+a misaligned tensor's) run the kernel with every path.
 State kinds (constexprs): MASTER_KIND 0 = an fp32 master (or the fp32 parameter), 1 = bf16 parameter +
 int16 remainder; M_KIND / V_KIND 0 = fp32, 1 = bf16 stochastic rounding, 2 = uint8 (the arithmetic 8-bit
 moment codec: int8 codes of m rounded to nearest, log codes of sqrt(v) on its bits; no table, no search),
@@ -40,7 +44,8 @@ from ..reference import moment_coeffs
 from ._codecs import (F8_MAX, QBLOCK, ROWS_AXIS, block_absmax, decode_bf16, decode_f8, decode_m8, decode_v8,
                       encode_bf16_sr, encode_f8, encode_m8, encode_v8, join_remainder, ld, per_row, scaled,
                       split_remainder, st)
-from ._multi_tensor import chunk_map, device_guard, pointer_table, program_chunk, round_bf16_bits, typed_pointer
+from ._multi_tensor import (chunk_map, device_guard, pointer_table, program_chunk, round_bf16_bits, split_launch_tables,
+                            typed_pointer)
 from .adam import adam_update
 
 BLOCK = 1024
@@ -59,11 +64,17 @@ LAUNCH_OPTIONS = dict(num_warps=4, enable_fp_fusion=False)
 # the codegen cases allow 8 B there. The other state formats keep no cap (at 80 their bf16 / fp8 variants spill
 # 28-64 B).
 Q8_MAXNREG = 80
+# Full chunks (inside their tensor, aligned) in a launch of their own, FULL=True ([Note: full and rest launches]
+# in _multi_tensor.py): the kernel compiled with the 128-bit path alone takes 59-79 registers per thread instead
+# of 77-102 (sm_90, triton 3.9, every codegen case below; ptxas -v), 7-8 programs per SM instead of 5-6, with no
+# cap. Not yet timed on a GPU (bench/gpu_coded_tune.py: variant suffix "n" launches every chunk in one launch as
+# before, for the A/B). False: one launch of every chunk (FULL=False).
+SPLIT_FULL = True
 
 
-def launch_options(m_kind: int, v_kind: int) -> dict:
-    """Triton launch options of the kernel for moment kinds (M_KIND, V_KIND)."""
-    if m_kind == v_kind == 2 and Q8_MAXNREG:
+def launch_options(m_kind: int, v_kind: int, full: bool = False) -> dict:
+    """Triton launch options of the kernel for moment kinds (M_KIND, V_KIND) and FULL."""
+    if m_kind == v_kind == 2 and Q8_MAXNREG and not full:
         return dict(LAUNCH_OPTIONS, maxnreg=Q8_MAXNREG)
     return LAUNCH_OPTIONS
 
@@ -225,13 +236,14 @@ def fused_adam_coded_kernel(
     MAXIMIZE: tl.constexpr,        # ascend: the gradient is negated
     BLOCK_SIZE: tl.constexpr,      # elements per iteration: BLOCK_SIZE // 256 rows (one per warp)
     N_ITERS: tl.constexpr,         # iterations per program
+    FULL: tl.constexpr,            # every chunk lies inside its tensor, every address 16-byte aligned (checked
+                                   # on the host, [Note: full and rest launches]): only the 128-bit path is compiled
 ):
     if HAS_FOUND_INF:
         if tl.load(found_inf_ptr) != 0:
             return
     t, start, numel = program_chunk(chunk_tensor, chunk_start, numels)
     row = ptr_table + t * 7
-    aligned = ((tl.load(row) | tl.load(row + 1) | tl.load(row + 2) | tl.load(row + 3) | tl.load(row + 6)) & 15) == 0
     step_size, bc2_sqrt, decay = tl.load(coeffs + t * 3), tl.load(coeffs + t * 3 + 1), tl.load(coeffs + t * 3 + 2)
     m_key, v_key = tl.load(keys + t * 3).to(tl.uint32), tl.load(keys + t * 3 + 1).to(tl.uint32)
     index_offset = tl.load(keys + t * 3 + 2)
@@ -244,7 +256,12 @@ def fused_adam_coded_kernel(
         rows = block_start // QBLOCK + tl.arange(0, ROWS).to(tl.int64)
         args = (rows, numel, step_size, bc2_sqrt, decay, grad_scale, m_key, v_key, index_offset,
                 one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay)
-        if block_start + BLOCK_SIZE <= numel:
+        if FULL:
+            _coded_tile(row, _tile_offsets(block_start, ROWS, VEC, True), *args, GRAD_DTYPE, P16_KIND,
+                        MASTER_KIND, M_KIND, V_KIND, False, HAS_GRAD_SCALE, ADAMW, MAXIMIZE, True)
+        elif block_start + BLOCK_SIZE <= numel:
+            aligned = ((tl.load(row) | tl.load(row + 1) | tl.load(row + 2) | tl.load(row + 3) | tl.load(row + 6))
+                       & 15) == 0
             if aligned:
                 _coded_tile(row, _tile_offsets(block_start, ROWS, VEC, True), *args, GRAD_DTYPE, P16_KIND,
                             MASTER_KIND, M_KIND, V_KIND, False, HAS_GRAD_SCALE, ADAMW, MAXIMIZE, True)
@@ -307,52 +324,73 @@ def adam_step_coded_triton(params: list[Tensor], grads: list[Tensor], states: li
     step.finish()
 
 
+def aligned_tensors(rows: list[int]) -> tuple[bool, ...]:
+    """Per tensor of a group's pointer rows: are the addresses the kernel reads and writes by vectors (master,
+    grad, exp_avg, exp_avg_sq, param16; 0 = absent) 16-byte aligned? The kernel's own test, on the host."""
+    c = _COLS
+    return tuple(((a | g | m | v | p) & 15) == 0
+                 for a, g, m, v, p in zip(rows[0::c], rows[1::c], rows[2::c], rows[3::c], rows[6::c]))
+
+
 def _launch(key: tuple, rows: list[int], numels: list[int], c: Tensor, k: Tensor, device: torch.device, *,
             beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf) -> None:
+    """The group's chunks in two launches (full ones with FULL=True, the rest) or, without SPLIT_FULL, one."""
     grad_dtype, p16_dtype, master_kind, m_dtype, v_dtype = key
-    table = pointer_table(rows, device)
-    numels_t, chunk_tensor, chunk_start = chunk_map(tuple(numels), CHUNK, device)
-    if chunk_tensor.numel() == 0:
-        return
+    if SPLIT_FULL:
+        table, numels_t, full, rest = split_launch_tables(rows, numels, aligned_tensors, CHUNK, device)
+        launches = ((full, True), (rest, False))
+    else:
+        table = pointer_table(rows, device)
+        numels_t, *rest = chunk_map(tuple(numels), CHUNK, device)
+        launches = ((rest, False),)
     gs = grad_scale.to(device, torch.float32) if grad_scale is not None else c
     fi = found_inf.to(device, torch.float32) if found_inf is not None else c
     one_minus_beta1, one_minus_beta2 = moment_coeffs(beta1, beta2)
-    with device_guard(device):
-        fused_adam_coded_kernel[(chunk_tensor.numel(),)](
-            table, numels_t, c, k, chunk_tensor, chunk_start, gs, fi,
-            one_minus_beta1, float(beta2), one_minus_beta2, float(eps), float(weight_decay),
-            GRAD_DTYPE=_TL[grad_dtype], P16_KIND=_P16[p16_dtype], MASTER_KIND=master_kind, M_KIND=_KIND[m_dtype],
-            V_KIND=_KIND[v_dtype], HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-            ADAMW=bool(adamw), MAXIMIZE=bool(maximize), BLOCK_SIZE=BLOCK, N_ITERS=ITERS,
-            **launch_options(_KIND[m_dtype], _KIND[v_dtype]))
+    for (chunk_tensor, chunk_start), full in launches:
+        if chunk_tensor.numel() == 0:
+            continue
+        with device_guard(device):
+            fused_adam_coded_kernel[(chunk_tensor.numel(),)](
+                table, numels_t, c, k, chunk_tensor, chunk_start, gs, fi,
+                one_minus_beta1, float(beta2), one_minus_beta2, float(eps), float(weight_decay),
+                GRAD_DTYPE=_TL[grad_dtype], P16_KIND=_P16[p16_dtype], MASTER_KIND=master_kind,
+                M_KIND=_KIND[m_dtype], V_KIND=_KIND[v_dtype], HAS_GRAD_SCALE=grad_scale is not None,
+                HAS_FOUND_INF=found_inf is not None, ADAMW=bool(adamw), MAXIMIZE=bool(maximize),
+                BLOCK_SIZE=BLOCK, N_ITERS=ITERS, FULL=full, **launch_options(_KIND[m_dtype], _KIND[v_dtype], full))
 
 
 # Ahead-of-time codegen cases (tests/test_codegen.py, sm_80 and sm_90): every state kind of each moment, the
 # remainder and fp32-master layouts, bf16, fp16 and fp32 gradients; the 8-bit moment codec (kind 2) for both
 # moments together (remainder; fp32 master with fp32 or bf16 gradients), for exp_avg_sq next to an fp32 / fp8
-# exp_avg, and for exp_avg next to a bf16 exp_avg_sq.
+# exp_avg, and for exp_avg next to a bf16 exp_avg_sq. Each as the FULL launch (at most 80 registers, no cap,
+# no spill); the launch of the rest chunks (every path, FULL=False) for the first four.
 def _codegen_cases() -> list:
     sig = dict(ptr_table="*i64", numels="*i64", coeffs="*fp32", keys="*i64", chunk_tensor="*i32",
                chunk_start="*i64", grad_scale_ptr="*fp32", found_inf_ptr="*fp32", one_minus_beta1="fp32",
                beta2="fp32", one_minus_beta2="fp32", eps="fp32", weight_decay="fp32")
     names = ["fp32", "bf16", "u8", "f8"]
+    layouts = ((tl.bfloat16, 1, 1, 2, 2), (tl.bfloat16, 1, 1, 0, 0), (tl.bfloat16, 1, 0, 1, 1),
+               (tl.float32, 0, 0, 3, 3), (tl.bfloat16, 1, 1, 1, 3), (tl.float16, 2, 0, 2, 1),
+               (tl.float32, 0, 0, 2, 2), (tl.bfloat16, 1, 0, 0, 2), (tl.bfloat16, 1, 1, 3, 2),
+               (tl.bfloat16, 1, 0, 2, 2))
     cases = []
-    for grad, p16, master, m_kind, v_kind in ((tl.bfloat16, 1, 1, 2, 2), (tl.bfloat16, 1, 1, 0, 0),
-                                              (tl.bfloat16, 1, 0, 1, 1), (tl.float32, 0, 0, 3, 3),
-                                              (tl.bfloat16, 1, 1, 1, 3), (tl.float16, 2, 0, 2, 1),
-                                              (tl.float32, 0, 0, 2, 2), (tl.bfloat16, 1, 0, 0, 2),
-                                              (tl.bfloat16, 1, 1, 3, 2), (tl.bfloat16, 1, 0, 2, 2)):
-        ce = dict(GRAD_DTYPE=grad, P16_KIND=p16, MASTER_KIND=master, M_KIND=m_kind, V_KIND=v_kind,
-                  HAS_GRAD_SCALE=True, HAS_FOUND_INF=True, ADAMW=True, MAXIMIZE=False, BLOCK_SIZE=BLOCK,
-                  N_ITERS=ITERS)
-        desc = (f"coded grad={grad} p16={['none', 'bf16', 'fp16'][p16]} master={['fp32', 'remainder'][master]} "
-                f"m={names[m_kind]} v={names[v_kind]}")
-        # 128-bit accesses: at least one wide load and store (fp32 arrays) when
-        # an fp32 array is present, else the check below is "no wide accesses required".
-        wide = int(master == 0 and p16 == 0) + (m_kind == 0) + (v_kind == 0)
-        opts = dict(launch_options(m_kind, v_kind), streaming=True, min_wide_loads=wide, min_wide_stores=wide,
-                    max_shared=0, max_spill=8 if m_kind == v_kind == 2 else 0)
-        cases.append((fused_adam_coded_kernel, sig, ce, desc, opts))
+    for full, chosen in ((True, layouts), (False, layouts[:4])):
+        for grad, p16, master, m_kind, v_kind in chosen:
+            ce = dict(GRAD_DTYPE=grad, P16_KIND=p16, MASTER_KIND=master, M_KIND=m_kind, V_KIND=v_kind,
+                      HAS_GRAD_SCALE=True, HAS_FOUND_INF=True, ADAMW=True, MAXIMIZE=False, BLOCK_SIZE=BLOCK,
+                      N_ITERS=ITERS, FULL=full)
+            desc = (f"coded {'full' if full else 'rest'} grad={grad} p16={['none', 'bf16', 'fp16'][p16]} "
+                    f"master={['fp32', 'remainder'][master]} m={names[m_kind]} v={names[v_kind]}")
+            # 128-bit accesses: at least one wide load and store (fp32 arrays) when
+            # an fp32 array is present, else the check below is "no wide accesses required".
+            wide = int(master == 0 and p16 == 0) + (m_kind == 0) + (v_kind == 0)
+            opts = dict(launch_options(m_kind, v_kind, full), streaming=True, min_wide_loads=wide,
+                        min_wide_stores=wide, max_shared=0)
+            if full:   # the host checked the alignment: the PTX has no test of it
+                opts.update(max_regs=80, host_aligned=True)
+            else:
+                opts.update(max_spill=8 if m_kind == v_kind == 2 else 0)
+            cases.append((fused_adam_coded_kernel, sig, ce, desc, opts))
     return cases
 
 

@@ -69,6 +69,23 @@ def check(seed, dtype, rem, m_dtype, v_dtype, steps, **fmt):
     assert_equal(ps, states, qs, refs)
 
 
+def test_split_chunks_and_alignment_rule():
+    """[Note: full and rest launches]: chunk j of tensor t goes to the FULL launch iff the tensor is aligned and
+    the chunk lies inside it; the alignment rule is the kernel's (master, grad, exp_avg, exp_avg_sq, param16 to
+    16 bytes; the block scales are not read by vectors; 0 = absent)."""
+    from zero_kernels.kernels.adam_coded import CHUNK, aligned_tensors
+    from zero_kernels.kernels._multi_tensor import split_chunks
+    row = [4096, 8192, 64, 128, 36, 4, 0]
+    rows = row + [x + 2 if i == 1 else x for i, x in enumerate(row)] + [x + 8 if i == 6 else x for i, x in
+                                                                         enumerate(row)] + [4, 8, 4, 4, 0, 0, 0]
+    assert aligned_tensors(rows) == (True, False, False, False)
+    assert aligned_tensors([x + 2 if i == 4 else x for i, x in enumerate(row)]) == (True,)   # a scale
+    numels = (2 * CHUNK + 5, CHUNK, 300, 2 * CHUNK)
+    ft, fs, rt, rs = split_chunks(numels, (True, True, True, False), CHUNK)
+    assert list(zip(ft, fs)) == [(0, 0), (0, CHUNK), (1, 0)]
+    assert list(zip(rt, rs)) == [(0, 2 * CHUNK), (2, 0), (3, 0), (3, CHUNK)]
+
+
 @pytest.mark.parametrize("m_dtype", KINDS, ids=["m=fp32", "m=bf16", "m=u8", "m=f8"])
 @pytest.mark.parametrize("v_dtype", [BF, U8, F8], ids=["v=bf16", "v=u8", "v=f8"])
 @pytest.mark.parametrize("layout", ["remainder", "bf16+master", "fp32"])
@@ -90,6 +107,39 @@ def test_8bit_moments_below_one_block(layout):
 def test_fp32_moments_with_remainders_and_fp16_masters():
     check(3, BF, True, F32, F32, 4)
     check(3, torch.float16, False, F32, F32, 4)
+
+
+def test_full_and_rest_launches(monkeypatch):
+    """The full chunks run in the FULL launch, every other chunk (a tensor's last partial one, each of a
+    misaligned tensor's) in the rest launch, and both give the definition's bits. The interpreter does not
+    fault on a misaligned vector access, so the launches are recorded too: a FULL launch never gets a chunk of
+    a misaligned tensor or one past a tensor's end."""
+    from zero_kernels.kernels import adam_coded as AC
+    kernel, launches = AC.fused_adam_coded_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((kw["FULL"], list(zip(args[4].tolist(), args[5].tolist()))))
+                return kernel[grid](*args, **kw)
+            return launch
+    monkeypatch.setattr(AC, "fused_adam_coded_kernel", Spy())
+    C_ = AC.CHUNK
+    sizes = [2 * C_ + 5, C_, 300, 2 * C_]
+
+    def make():
+        ps, states = setup(11, BF, True, U8, U8, sizes=sizes)
+        buf = torch.empty(ps[3].numel() + 1, dtype=BF)       # tensor 3: a view 2 bytes past an aligned buffer
+        buf[1:].copy_(ps[3])
+        ps[3] = buf[1:]
+        return ps, states
+    ps, states = make()
+    qs, refs = make()
+    run(ps, states, 2, 12, triton=True)
+    run(qs, refs, 2, 12, triton=False)
+    assert_equal(ps, states, qs, refs)
+    assert launches[:2] == [(True, [(0, 0), (0, C_), (1, 0)]), (False, [(0, 2 * C_), (2, 0), (3, 0), (3, C_)])]
+    assert len(launches) == 4 and launches[2:] == launches[:2]
 
 
 def test_grad_scale_and_found_inf():

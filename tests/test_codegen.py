@@ -20,6 +20,10 @@ Each kernels module (``zero_kernels.kernels.<name>``, source in ``kernels/<name>
                         #     across warps needs some; 0 for pure streaming kernels);
                         #   max_spill (0): bytes of spill stores (and of spill loads) allowed; only
                         #     with a maxnreg cap measured to pay for its spills (say where);
+                        #   max_regs (none): registers per thread allowed (ptxas -v);
+                        #   host_aligned (False): the launcher checks the tensors' alignment on the
+                        #     host and launches this variant only for aligned ones, so its PTX
+                        #     need not test it ([Note: full and rest launches]);
                         #   divisible_by_16 (all pointer args): args given tt.divisibility=16,
                         #     like the JIT does for torch allocations; list the int args too if the
                         #     launcher guarantees it (multiples of 16), or [] for none.
@@ -85,7 +89,8 @@ def normalize_case(case) -> dict:
     kernel, signature, constexprs, description = case[:4]
     options = dict(case[4]) if len(case) == 5 else {}
     unknown = set(options) - {"num_warps", "num_stages", "enable_fp_fusion", "maxnreg", "streaming", "min_wide_loads",
-                              "min_wide_stores", "divisible_by_16", "max_shared", "max_spill"}
+                              "min_wide_stores", "divisible_by_16", "max_shared", "max_spill", "max_regs",
+                              "host_aligned"}
     if unknown:
         raise ValueError(f"{description}: unknown options {sorted(unknown)}")
     return dict(kernel=kernel, signature=dict(signature), constexprs=dict(constexprs),
@@ -241,6 +246,7 @@ def worker(out_path: str) -> None:
                 except Exception:  # noqa: BLE001
                     report["results"][key] = dict(ok=False, error=traceback.format_exc())
                 report["results"][key]["table"] = reads_pointer_table(case)
+                report["results"][key]["host_aligned"] = bool(case["options"].get("host_aligned"))
     with open(out_path, "w") as f:
         json.dump(report, f)
 
@@ -336,6 +342,9 @@ def test_codegen(report, module, index, description, options, arch):
     assert p["spill_stores"] <= max_spill and p["spill_loads"] <= max_spill, (
         f"{description} on {arch} spills: {p['spill_stores']} B stores, {p['spill_loads']} B loads, "
         f"{max_spill} allowed ({p['regs']} registers)\n{p['log']}")
+    max_regs = options.get("max_regs")
+    assert max_regs is None or p["regs"] <= max_regs, (
+        f"{description} on {arch}: {p['regs']} registers per thread, {max_regs} allowed\n{p['log']}")
     if options.get("streaming", True):
         need_ld, need_st = options.get("min_wide_loads", 1), options.get("min_wide_stores", 1)
         assert wide_ld >= need_ld and wide_st >= need_st, (
@@ -349,8 +358,10 @@ def test_codegen_keeps_the_alignment_branch(report):
     PTX must still test the addresses' alignment (``& 15``). When a hint leaks into the unaligned branch
     the two branches are the same code, the compiler drops the test, and a misaligned tensor faults
     ([Note: hints mark the defining op] in kernels/_multi_tensor.py). Cases without a table are not
-    concerned: Triton specializes pointer arguments on their alignment at launch."""
-    tables = {k: r for k, r in report["results"].items() if r.get("ok") and r.get("table")}
+    concerned: Triton specializes pointer arguments on their alignment at launch; nor are variants the
+    launcher runs only for tensors it found aligned on the host (``host_aligned``)."""
+    tables = {k: r for k, r in report["results"].items()
+              if r.get("ok") and r.get("table") and not r.get("host_aligned")}
     assert len(tables) >= 10, f"expected the adam, adam_coded and flatten table kernels, found {sorted(tables)}"
     lost = sorted(k for k, r in tables.items() if r["align_tests"] < 1)
     assert not lost, (f"no alignment test left in the PTX of {lost}: every tensor takes the 128-bit path; make each "

@@ -257,6 +257,11 @@ FAULTS = [
      "coded", "tile steps of 32 elements instead of L: rows overlap and skip elements"),
     ("cod.store_param_dropped", KCA, "_store_param(p, a_master, a_p16, offs, mask, MASKED, P16_KIND, MASTER_KIND, ALIGNED)\n    _store_moment",
      "_store_moment", "coded", "the parameter not stored before the moments (8-bit / bf16 / fp32 states)"),
+    ("cod.full_takes_tail", MT, "whole = n // chunk if ok else 0", "whole = -(-n // chunk) if ok else 0", "coded",
+     "a tensor's partial last chunk sent to the FULL launch (128-bit unmasked path past the tensor's end)"),
+    ("cod.full_ignores_grad_alignment", KCA, "return tuple(((a | g | m | v | p) & 15) == 0",
+     "return tuple(((a | m | v | p) & 15) == 0", "coded",
+     "a tensor whose gradient is misaligned sent to the FULL launch"),
     # --- the C++ coded-state CPU kernel (csrc/cpu_adam_coded*.h)
     ("ccod.fused_v_codes_from_m", CCS, "vcode[u] = zk_v8_code_bits(bs + i, v_key);",
      "vcode[u] = zk_v8_code_bits(bm + i, v_key);", "cpu_coded",
