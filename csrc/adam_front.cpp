@@ -170,7 +170,7 @@ void check_coded_adam_args(ZK_CODED_ADAM_ARGS, c10::DeviceType dt, const char* f
   TORCH_CHECK(keys.defined() && keys.scalar_type() == at::kLong && keys.dim() == 2 &&
                   keys.size(0) == T && keys.size(1) == 3 && keys.is_contiguous(),
               fn, ": keys must be a contiguous int64 tensor of shape [T, 3] = [", T,
-              ", 3] (exp_avg SR key, exp_avg_sq SR key, flat index of element 0)");
+              ", 3] (seed, step count, flat index of element 0)");
   if (T == 0) {
     TORCH_CHECK(grads.empty() && exp_avgs.empty() && exp_avg_sqs.empty() && exp_avg_scales.empty() &&
                     exp_avg_sq_scales.empty() && params16.empty(),

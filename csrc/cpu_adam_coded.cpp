@@ -152,6 +152,11 @@ int zk_moment_kind(const at::Tensor& t) {
 
 }  // namespace
 
+// codecs.sr_key: the stochastic-rounding key of a tensor (seed), step and moment (stream 0 / 1), mod 2^32.
+static uint32_t zk_sr_key(uint32_t seed, uint32_t step, uint32_t stream) {
+  return zk_scalar::zk_c_fmix32(seed ^ zk_scalar::zk_c_fmix32(2u * step + stream));
+}
+
 void fused_adam_coded_cpu_launch(ZK_CODED_ADAM_ARGS) {
   const int64_t T = static_cast<int64_t>(masters.size());
   if (T == 0) return;
@@ -191,8 +196,8 @@ void fused_adam_coded_cpu_launch(ZK_CODED_ADAM_ARGS) {
     j.master_kind = rem ? ZK_MASTER_REM : ZK_MASTER_F32;
     j.n = masters[t].numel();
     j.blocks = (j.n + ZK_QBLOCK - 1) / ZK_QBLOCK;
-    j.m_key = static_cast<uint32_t>(ky[3 * t + 0]);
-    j.v_key = static_cast<uint32_t>(ky[3 * t + 1]);
+    j.m_key = zk_sr_key(static_cast<uint32_t>(ky[3 * t]), static_cast<uint32_t>(ky[3 * t + 1]), 0);
+    j.v_key = zk_sr_key(static_cast<uint32_t>(ky[3 * t]), static_cast<uint32_t>(ky[3 * t + 1]), 1);
     j.index_offset = ky[3 * t + 2];
     j.step_size = co[3 * t + 0];
     j.bc2 = co[3 * t + 1];

@@ -101,8 +101,8 @@ struct CodedTensorTable {
 // Everything that is the same for all tensors of a launch.
 struct CodedScalars {
   AdamScalars adam;       // coeffs, grad_scale, found_inf and the update's scalars (cuda_adam_kernel.cuh)
-  const int64_t* keys;    // [T, 3] on the device: SR key of exp_avg, of exp_avg_sq (uint32 values), and
-                          // the flat index of element 0 (index_offset, used mod 2^32)
+  const int64_t* keys;    // [T, 3] on the device: seed, step count (sr_key of both: the moments' SR keys),
+                          // and the flat index of element 0 (index_offset); all used mod 2^32
   int32_t grad_dtype;     // Dtype16: kNone means fp32
   int32_t p16_dtype;      // Dtype16 of params16 (kBF16 with remainders), kNone when absent
 };
@@ -171,6 +171,11 @@ __device__ __forceinline__ uint32_t fmix32(uint32_t h) {
   h ^= h >> 13;
   h *= 0xC2B2AE35u;
   return h ^ (h >> 16);
+}
+
+// sr_key: the stochastic-rounding key of a tensor (seed), step and moment (stream 0 / 1), mod 2^32.
+__device__ __forceinline__ uint32_t sr_key(uint32_t seed, uint32_t step, uint32_t stream) {
+  return fmix32(seed ^ fmix32(2u * step + stream));
 }
 
 // encode_bf16_sr: `index` is the element's flat index mod 2^32 (offset in the tensor + index_offset).
@@ -342,7 +347,8 @@ fused_adam_coded_kernel(const __grid_constant__ CodedTensorTable table,  // the 
   const int64_t row = table.row[t];
   const float* crow = s.adam.coeffs + row * 3;
   const Coef c{crow[0], crow[1], crow[2]};
-  const uint32_t m_key = uint32_t(s.keys[row * 3]), v_key = uint32_t(s.keys[row * 3 + 1]);
+  const uint32_t seed = uint32_t(s.keys[row * 3]), count = uint32_t(s.keys[row * 3 + 1]);
+  const uint32_t m_key = sr_key(seed, count, 0u), v_key = sr_key(seed, count, 1u);
   const uint32_t index_offset = uint32_t(s.keys[row * 3 + 2]);
   const float gs = s.adam.has_grad_scale ? *s.adam.grad_scale : 1.f;
   const float gmul = s.adam.maximize ? zk::cuda_adam::neg(gs) : gs;   // as in fused_adam_kernel

@@ -52,8 +52,9 @@ void fused_adam_cuda_launch(ZK_FUSED_ADAM_ARGS);
 //   - exp_avgs / exp_avg_sqs: T tensors of one dtype each: fp32 | bf16 (stochastic rounding) |
 //     uint8 (8-bit blockwise: int8 codes of m, sqrt-domain codes of v) | float8_e4m3fn; exp_avg_scales / exp_avg_sq_scales: T fp32 tensors of
 //     ceil(numel / 256) block scales when that moment is uint8 / float8_e4m3fn, else empty.
-//   - coeffs: fp32 [T, 3] (step_size, bc2_sqrt, decay); keys: int64 [T, 3] (SR key of exp_avg, SR key
-//     of exp_avg_sq as uint32 values, flat index of element 0 for the SR bits).
+//   - coeffs: fp32 [T, 3] (step_size, bc2_sqrt, decay); keys: int64 [T, 3] (seed, step count, flat index
+//     of element 0 for the SR bits): the kernel derives the SR key of exp_avg / exp_avg_sq as
+//     sr_key(seed, step, 0 / 1) = fmix32(seed ^ fmix32(2 * step + stream)), all mod 2^32 (codecs.sr_key).
 //   - grad_scale / found_inf as in the plain kernel. Blocks of 256 count from each tensor's element 0.
 #define ZK_CODED_ADAM_ARGS                                                                      \
   const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& grads,                \

@@ -58,6 +58,13 @@ def fmix32(h):
 
 
 @triton.jit
+def sr_key(seed, step, STREAM: tl.constexpr):
+    """codecs.sr_key: the stochastic-rounding key of a tensor (int64 ``seed``), step (int64 count) and moment
+    (STREAM 0: exp_avg, 1: exp_avg_sq), all mod 2^32."""
+    return fmix32(seed.to(tl.uint32) ^ fmix32(step.to(tl.uint32) * 2 + STREAM))
+
+
+@triton.jit
 def encode_bf16_sr(x, offs, index_offset, key):
     """fp32 -> bf16 bits (uint16), stochastic rounding keyed by the flat index ([Note: state codecs] 1)."""
     idx = ((offs + index_offset) & 0xFFFFFFFF).to(tl.uint32)

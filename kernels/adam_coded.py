@@ -43,7 +43,7 @@ from .._coded_host import CodedEntry, group_arrays, prepare
 from ..reference import moment_coeffs
 from ._codecs import (F8_MAX, QBLOCK, ROWS_AXIS, block_absmax, decode_bf16, decode_f8, decode_m8, decode_v8,
                       encode_bf16_sr, encode_f8, encode_m8, encode_v8, join_remainder, ld, per_row, scaled,
-                      split_remainder, st)
+                      split_remainder, sr_key, st)
 from ._multi_tensor import (chunk_map, device_guard, pointer_table, program_chunk, round_bf16_bits, split_launch_tables,
                             typed_pointer)
 from .adam import adam_update
@@ -215,7 +215,7 @@ def fused_adam_coded_kernel(
     ptr_table,        # int64 [T, 7]: data_ptr of master (fp32 master / fp32 param / int16 remainder), grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param16 (0 = absent)
     numels,           # int64 [T]: elements in tensor t
     coeffs,           # fp32 [T, 3]: step_size, bc2_sqrt, decay (reference.compute_coeffs)
-    keys,             # int64 [T, 3]: SR key of exp_avg, SR key of exp_avg_sq (codecs.sr_key, uint32), flat index of element 0
+    keys,             # int64 [T, 3]: seed, step count (the moments' SR keys are codecs.sr_key of both), flat index of element 0
     chunk_tensor,     # int32 [n_programs]: the tensor program pid works on
     chunk_start,      # int64 [n_programs]: first element of program pid's chunk (a multiple of BLOCK_SIZE)
     grad_scale_ptr,   # fp32 [1]: gradient multiplier; read iff HAS_GRAD_SCALE
@@ -245,8 +245,8 @@ def fused_adam_coded_kernel(
     t, start, numel = program_chunk(chunk_tensor, chunk_start, numels)
     row = ptr_table + t * 7
     step_size, bc2_sqrt, decay = tl.load(coeffs + t * 3), tl.load(coeffs + t * 3 + 1), tl.load(coeffs + t * 3 + 2)
-    m_key, v_key = tl.load(keys + t * 3).to(tl.uint32), tl.load(keys + t * 3 + 1).to(tl.uint32)
-    index_offset = tl.load(keys + t * 3 + 2)
+    seed, count, index_offset = tl.load(keys + t * 3), tl.load(keys + t * 3 + 1), tl.load(keys + t * 3 + 2)
+    m_key, v_key = sr_key(seed, count, 0), sr_key(seed, count, 1)
     grad_scale = tl.load(grad_scale_ptr) if HAS_GRAD_SCALE else 1.0
     ROWS: tl.constexpr = BLOCK_SIZE // QBLOCK
     # 128-bit accesses of the widest array: 4 per thread when one is fp32 (and the others follow), else 8

@@ -378,3 +378,31 @@ def test_grad_scale_and_found_inf_through_the_optimizer(backend):
     opt.step(grad_scale=torch.tensor(64.0), found_inf=torch.tensor(1.0))
     assert_same_states(opt, b, before[1], "skipped")
     assert all(torch.equal(bits(x), bits(y)) for x, y in zip(before[0], b))
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_bf16_moments_add_two_host_ops_not_the_hash(backend):
+    """The kernels derive the stochastic-rounding keys from (seed, step) themselves: a bf16-moment step
+    dispatches two ops more than an 8-bit one (the key rows' step column: a view and one copy), not the ~45
+    int64 ops of codecs.sr_key on the device (each one launch on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(moment):
+        ps = params_of(21, BF, [(4099,), (300,), (8192,)])
+        opt = make(ps, HP[0], backend, exp_avg_dtype=moment, exp_avg_sq_dtype=moment, min_8bit_size=1)
+        for t in range(3):                                 # the last step is counted (plans and states built)
+            for p, g in zip(ps, grads_of(22, t, ps)):
+                p.grad = g
+            Count.n = 0
+            with Count():
+                opt.step()
+        assert all(opt.state[p]["exp_avg"].dtype == moment for p in ps)
+        return Count.n
+    assert ops(BF) - ops(U8) == 2

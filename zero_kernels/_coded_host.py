@@ -4,7 +4,8 @@ ZK_CODED_ADAM_ARGS contract of csrc/fused_adam.h). Importable without triton.
 
 :func:`prepare` does everything that is not the element loop, once, by one rule: increments the steps
 as torch counts them (by ``1 - found_inf``), computes the coefficients (``reference.compute_coeffs``) and
-the stochastic-rounding keys (``codecs.sr_key``), makes gradients and parameters contiguous (non-contiguous
+the kernels' key rows (seed, step count, index offset: each kernel derives the stochastic-rounding keys
+``codecs.sr_key`` from them), makes gradients and parameters contiguous (non-contiguous
 parameters are updated in a contiguous copy and written back by :meth:`CodedStep.finish`), and groups the
 tensors by layout key (grad dtype, 16-bit parameter dtype, master kind, exp_avg dtype, exp_avg_sq dtype):
 one kernel call per group.
@@ -48,7 +49,7 @@ class CodedEntry:
 class CodedStep:
     entries: list[CodedEntry]
     coeffs: Tensor                     # fp32 [T, 3] on the device (step_size, bc2_sqrt, decay)
-    keys: Tensor                       # int64 [T, 3] on the device (m SR key, v SR key, flat index of element 0)
+    keys: Tensor                       # int64 [T, 3] on the device (seed, step count, flat index of element 0)
     groups: dict[tuple, list[int]]     # layout -> indices into entries, in parameter order
     writebacks: list[tuple[Tensor, Tensor]] = field(default_factory=list)   # (parameter, contiguous copy)
 
@@ -106,23 +107,18 @@ def prepare(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Te
 
 def _keys(cache: dict, steps: Tensor, states: list[dict[str, Tensor]], seeds: list[int],
           index_offsets: list[int] | None, device: torch.device) -> Tensor:
-    """int64 [T, 3] (m SR key, v SR key, flat index of element 0): the same tensor every step without a bf16
-    moment (no stochastic rounding: the kernels read only the index), else the keys of this step's counts."""
-    if "sr" not in cache:
-        cache["sr"] = any(s[k].dtype == torch.bfloat16 for s in states for k in ("exp_avg", "exp_avg_sq"))
-        cache["offs"] = torch.zeros(len(states), dtype=torch.int64, device=device) if index_offsets is None else \
-            torch.tensor(index_offsets, dtype=torch.int64, device=device)
-        if not cache["sr"]:
-            zeros = torch.zeros_like(cache["offs"])
-            cache["keys"] = torch.stack([zeros, zeros, cache["offs"]], dim=1).contiguous()
-        else:
-            cache["seeds"] = torch.tensor(seeds, dtype=torch.int64, device=device)[:, None]
-            cache["streams"] = torch.tensor([0, 1], dtype=torch.int64, device=device)
-    if not cache["sr"]:
-        return cache["keys"]
-    # both moments' keys in one [T, 2] pass of the hash (each of its int64 ops is one device op)
-    sr = codecs.sr_key(cache["seeds"], steps.to(torch.int64)[:, None], cache["streams"])
-    return torch.cat([sr, cache["offs"][:, None]], dim=1).contiguous()
+    """int64 [T, 3] (seed, step count, flat index of element 0): each kernel derives the moments' stochastic-
+    rounding keys ``codecs.sr_key(seed, step, 0 | 1)`` per tensor itself. One tensor kept in ``cache``; its step
+    column is refreshed from this step's counts (one copy, no host sync) only when a moment is bf16 (without
+    stochastic rounding the kernels read only the index)."""
+    if "keys" not in cache:
+        sr = any(s[k].dtype == torch.bfloat16 for s in states for k in ("exp_avg", "exp_avg_sq"))
+        offs = [0] * len(states) if index_offsets is None else list(index_offsets)
+        rows = [[seed & codecs.M32, 0, off] for seed, off in zip(seeds, offs)]
+        cache["sr"], cache["keys"] = sr, torch.tensor(rows, dtype=torch.int64).reshape(len(states), 3).to(device)
+    if cache["sr"]:
+        cache["keys"][:, 1].copy_(steps)
+    return cache["keys"]
 
 
 def group_arrays(step: CodedStep, key: tuple, idx: list[int], cache: dict | None) -> tuple[Tensor, Tensor]:

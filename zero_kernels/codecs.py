@@ -11,7 +11,8 @@ Integer arithmetic below is on uint32 (wrapping); here it runs on int64 tensors 
    and ``stream`` (0 for exp_avg, 1 for exp_avg_sq):
 
        fmix32(h):  h ^= h >> 16; h *= 0x85EBCA6B; h ^= h >> 13; h *= 0xC2B2AE35; h ^= h >> 16
-       key  = fmix32(seed ^ fmix32(2*t + stream))          # one scalar per tensor, step and moment
+       key  = fmix32(seed ^ fmix32(2*t + stream))          # one scalar per tensor, step and moment (the
+                                                             # kernels derive it from seed and t themselves)
        r    = fmix32(i ^ key) >> 16                          # 16 uniform random bits per element
        bf16 = (bits(x) + r) >> 16                            # carry = round up with P = low16(x) / 2^16
        NaN  -> 0x7FC0 (torch's canonical bf16 NaN); +-inf stay inf (their low bits are 0).
