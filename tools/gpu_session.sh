@@ -5,6 +5,8 @@
 #   BUDGET_S=420 BENCH_ARGS="--workloads llama7b-layer" bash tools/gpu_session.sh
 #   PYTEST_K="f8 or zero" SKIP_BENCH=1 bash tools/gpu_session.sh     # a rerun of some tests only
 #   NCU=1 bash tools/gpu_session.sh          # then Nsight Compute on one launch of the step kernels (llama7b-layer)
+#   TUNE=1 bash tools/gpu_session.sh         # then bench/gpu_coded_tune.py (${TUNE_ARGS}): the coded kernel's
+#                                             # launch variants, e.g. the full-chunk launch against one launch
 #   BASE=gpu_base BASE_ARGS="--modes 8bit --candidates triton" bash tools/gpu_session.sh
 #                                             # then the same benchmark against a baseline copy of the package
 #                                             # (a folder holding zero_kernels/ with kernels/ and csrc/ inside,
@@ -88,6 +90,15 @@ if [ -n "${BASE:-}" ] && [ -d "$BASE/zero_kernels" ]; then
     PYTHONPATH=$PWD/$BASE timeout "$(left 5)" python3 bench/gpu.py ${BASE_ARGS:-}; } > "$OUT/base.tmp" 2>&1
   echo "baseline bench rc=$? in $((SECONDS - t0)) s"; grep -E "^\|" "$OUT/base.tmp" | cut -c1-200
   cat "$OUT/base.tmp" >> "$OUT/bench.log"; rm -f "$OUT/base.tmp"
+fi
+
+# 4c. the coded kernel's launch variants (TUNE): its default variants A/B the full-chunk launch ("n": one launch)
+if [ -n "${TUNE:-}" ]; then
+  t0=$SECONDS
+  { echo "=== bench/gpu_coded_tune.py ${TUNE_ARGS:-}"
+    timeout "$(left 5)" python3 bench/gpu_coded_tune.py ${TUNE_ARGS:-}; } > "$OUT/tune.tmp" 2>&1
+  echo "tune rc=$? in $((SECONDS - t0)) s"; grep -E "^\||FAILED" "$OUT/tune.tmp" | cut -c1-200
+  cat "$OUT/tune.tmp" >> "$OUT/bench.log"; rm -f "$OUT/tune.tmp"
 fi
 
 # 5. Nsight Compute (clocks left as they are): speed of light, memory, occupancy, warp stalls of one launch
