@@ -296,9 +296,13 @@ ZK_TGT static inline void zk_c_prefetch(const void* base, int i0) {
 // and split, one bf16 rounding, one gradient widening and one code store.
 constexpr int ZK_C_STEP = Q::kPair ? 2 * V::W : V::W;
 
-// The gradient vectors of the step at i0.
-template <int GT>
-ZK_TGT static inline void zk_c_grads(const void* g, int i0, V::F* gx) {
+// The gradient vectors of the step at i0, after the prefetch of the gradient's and both moments' lines two
+// blocks ahead (ES: bytes per moment element, 1 for codes, 2 for bf16).
+template <int GT, int ES>
+ZK_TGT static inline void zk_c_grads(const void* g, const void* m, const void* v, int i0, V::F* gx) {
+  zk_c_prefetch<GT == ZK_F32 ? 4 : 2, ZK_C_STEP>(g, i0);
+  zk_c_prefetch<ES, ZK_C_STEP>(m, i0);
+  zk_c_prefetch<ES, ZK_C_STEP>(v, i0);
   if constexpr (GT == ZK_BF16 && Q::kPair) Q::bf16_2(static_cast<const uint16_t*>(g) + i0, gx[0], gx[1]);
   else
     for (int u = 0; u < ZK_C_STEP / V::W; ++u) gx[u] = zk_c_grad<GT>(g, i0 + u * V::W);
@@ -387,11 +391,8 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
   // in the second) runs back to back while the other work overlaps it (a few % faster than one pass).
   // Adam's L2 term reads p in the first pass too.
   for (int i0 = 0; i0 < ZK_QBLOCK; i0 += STEP) {
-    zk_c_prefetch<GT == ZK_F32 ? 4 : 2, STEP>(a.g, i0);
-    zk_c_prefetch<1, STEP>(mc, i0);
-    zk_c_prefetch<1, STEP>(vc, i0);
     V::F gx[2];
-    zk_c_grads<GT>(a.g, i0, gx);
+    zk_c_grads<GT, 1>(a.g, mc, vc, i0, gx);
     for (int u = 0; u < STEP / V::W; ++u) {
       const int i = i0 + u * V::W;
       V::F pv = V::set1(0.0f);
@@ -466,11 +467,8 @@ ZK_TGT static void zk_c_block_b16(const ZkCJob& j, const ZkCHyper& h, const ZkCA
   const Q::I mkey = Q::set1i(j.m_key), vkey = Q::set1i(j.v_key);
   Q::I idx = Q::addi(Q::set1i(idx0), Q::iota());
   for (int i0 = 0; i0 < ZK_QBLOCK; i0 += ZK_C_STEP) {
-    zk_c_prefetch<GT == ZK_F32 ? 4 : 2, ZK_C_STEP>(a.g, i0);
-    zk_c_prefetch<2, ZK_C_STEP>(mb, i0);
-    zk_c_prefetch<2, ZK_C_STEP>(vb, i0);
     V::F gx[2];
-    zk_c_grads<GT>(a.g, i0, gx);
+    zk_c_grads<GT, 2>(a.g, mb, vb, i0, gx);
     ms_.begin(i0);
     for (int u = 0; u < ZK_C_STEP / V::W; ++u, idx = Q::addi(idx, Q::set1i(V::W))) {
       const int i = i0 + u * V::W;
