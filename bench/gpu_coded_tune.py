@@ -4,16 +4,17 @@
     python bench/gpu_coded_tune.py --modes 8bit --variants 8x1024x4,8x1024x1
     python bench/gpu_coded_tune.py --base zero_kernels._kernels_base --variants 4x1024x4,base:4x1024x4
 
-A variant is WARPSxBLOCKxITERS[rMAXNREG][n] (num_warps, elements per iteration = BLOCK // 256 quantization
+A variant is WARPSxBLOCKxITERS[rMAXNREG][n|p] (num_warps, elements per iteration = BLOCK // 256 quantization
 blocks, iterations per program, optionally a register cap per thread of the rest launch's 8-bit kernel, and
 ``n``: every chunk in one launch of the kernel with every path instead of the full chunks in a FULL launch of
-their own, [Note: full and rest launches]); ``base:WARPSxBLOCKxITERS`` runs the kernel of
+their own, [Note: full and rest launches]; ``p``: the FULL launch pipelined, each tile's loads issued before the
+previous tile's arithmetic, PIPELINE_FULL); ``base:WARPSxBLOCKxITERS`` runs the kernel of
 another copy of kernels/ instead (``--base``: a module path, e.g. a baseline kernels/ copied to
 zero_kernels/_kernels_base), interleaved with the others in the same process: an A/B of a kernel change on one
 warm GPU. Each variant's first step is checked bit for bit against the first variant's on the same inputs (a
 variant that differs is marked FAILED and not timed); then device time per step, median over rounds (CUDA events
 around FusedAdamW.step, states and gradients fixed). GB/s from bench/gpu.py's byte counts. The kernel's module
-globals are set per variant (BLOCK, ITERS, CHUNK, LAUNCH_OPTIONS, Q8_MAXNREG, SPLIT_FULL, the kernel itself): a tuning
+globals are set per variant (BLOCK, ITERS, CHUNK, LAUNCH_OPTIONS, Q8_MAXNREG, SPLIT_FULL, PIPELINE_FULL, the kernel itself): a tuning
 tool, not a way to run the optimizer. Without a CUDA GPU it says so and exits 0.
 """
 from __future__ import annotations
@@ -25,29 +26,30 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-DEFAULT_VARIANTS = "4x1024x4r80,4x1024x4r80n,4x1024x4,4x1024x8r80"   # the kernel's own first
+DEFAULT_VARIANTS = "4x1024x4r80,4x1024x4r80n,4x1024x4r80p,4x1024x8r80p,4x1024x4"   # the kernel's own first
 
 
 _OWN_KERNEL = []
 
 
 class _WithoutFull:
-    """A baseline kernel (no FULL argument) launched as the module launches its own: FULL dropped (the
-    baseline's every-path kernel computes the full chunks' bits as well)."""
+    """A baseline kernel (no FULL argument) launched as the module launches its own: FULL and PIPELINE dropped
+    (the baseline's every-path kernel computes the full chunks' bits as well)."""
 
     def __init__(self, kernel):
         self.kernel = kernel
 
     def __getitem__(self, grid):
-        def launch(*args, FULL, **kwargs):
+        def launch(*args, FULL, PIPELINE=False, **kwargs):
             return self.kernel[grid](*args, **kwargs)
         return launch
 
 
-def set_variant(warps: int, block: int, iters: int, kernel=None, maxnreg: int = 0, split: bool = True) -> None:
+def set_variant(warps: int, block: int, iters: int, kernel=None, maxnreg: int = 0, split: bool = True,
+                pipeline: bool = False) -> None:
     """Module constants of kernels/adam_coded.py for one variant; ``kernel``: another jit kernel (a baseline's)
     launched in place of the module's own, None for the module's own; ``maxnreg``: the register cap per thread
-    of the 8-bit-moment rest launches (Q8_MAXNREG; 0: none); ``split``: SPLIT_FULL."""
+    of the 8-bit-moment rest launches (Q8_MAXNREG; 0: none); ``split``: SPLIT_FULL; ``pipeline``: PIPELINE_FULL."""
     from zero_kernels.kernels import adam_coded as AC
     if not _OWN_KERNEL:
         _OWN_KERNEL.append(AC.fused_adam_coded_kernel)
@@ -56,19 +58,23 @@ def set_variant(warps: int, block: int, iters: int, kernel=None, maxnreg: int = 
     AC.LAUNCH_OPTIONS = dict(num_warps=warps, enable_fp_fusion=False)
     AC.Q8_MAXNREG = maxnreg
     AC.SPLIT_FULL = split
+    AC.PIPELINE_FULL = pipeline
 
 
 def parse_variant(v: str, base) -> tuple:
-    """'4x1024x4', 'base:4x1024x4', '4x1024x4r80' (at most 80 registers per thread) or '4x1024x4r80n' (one
-    launch) -> (warps, block, iters, kernel or None, maxnreg, split)."""
+    """'4x1024x4', 'base:4x1024x4', '4x1024x4r80' (at most 80 registers per thread), '4x1024x4r80n' (one
+    launch) or '4x1024x4r80p' (the FULL launch pipelined) -> (warps, block, iters, kernel or None, maxnreg,
+    split, pipeline)."""
     kernel = None
     if v.startswith("base:"):
         if base is None:
             raise SystemExit(f"variant {v!r} needs --base")
         kernel, v = base.fused_adam_coded_kernel, v[len("base:"):]
-    split = not v.endswith("n")
-    v, _, reg = v.rstrip("n").partition("r")
-    return (*(int(x) for x in v.split("x")), kernel, int(reg or 0), split)
+    split, pipeline = not v.endswith("n"), v.endswith("p")
+    if pipeline and kernel is not None:
+        raise SystemExit(f"variant {v!r}: a --base kernel has no pipelined FULL launch")
+    v, _, reg = v.rstrip("np").partition("r")
+    return (*(int(x) for x in v.split("x")), kernel, int(reg or 0), split, pipeline)
 
 
 def build(shapes, mode, seed=0, device="cuda"):
@@ -117,7 +123,8 @@ def main(argv=None) -> int:
     names = args.variants.split(",")
     variants = [parse_variant(v, base) for v in names]
     from zero_kernels.kernels import adam_coded as AC
-    default = (AC.LAUNCH_OPTIONS["num_warps"], AC.BLOCK, AC.ITERS, None, AC.Q8_MAXNREG, AC.SPLIT_FULL)
+    default = (AC.LAUNCH_OPTIONS["num_warps"], AC.BLOCK, AC.ITERS, None, AC.Q8_MAXNREG, AC.SPLIT_FULL,
+               AC.PIPELINE_FULL)
     print(f"{torch.cuda.get_device_name(0)}, {args.workload} ({numel / 1e6:.0f}M), medians of {args.rounds} rounds "
           f"x {args.repeats} steps", flush=True)
     rows = []

@@ -24,7 +24,11 @@ before the cap). Still latency-bound: the step moves ~2.0-2.6 TB/s of the ~4 the
 Since then the chunks inside their tensor with every address aligned run in a launch of their own whose kernel
 holds the 128-bit path alone (FULL; [Note: full and rest launches] in _multi_tensor.py): 59-79 registers per
 thread instead of 77-102 (sm_90, the codegen cases; not yet timed on a GPU); the rest chunks (a tensor's last,
-a misaligned tensor's) run the kernel with every path.
+a misaligned tensor's) run the kernel with every path. The FULL launch can also run pipelined (PIPELINE,
+module flag PIPELINE_FULL, off until timed): its N_ITERS tiles unrolled, tile i + 1's loads (``_tile_load``,
+undecoded) issued before tile i's arithmetic and stores (``_tile_step``), so a thread keeps a tile of loads in
+flight through the arithmetic (the PTX order: loads i + 1, sqrt i, stores i), for 92-96 registers instead of
+59-69 (sm_90), i.e. 5 programs per SM instead of 7.
 State kinds (constexprs): MASTER_KIND 0 = an fp32 master (or the fp32 parameter), 1 = bf16 parameter +
 int16 remainder; M_KIND / V_KIND 0 = fp32, 1 = bf16 stochastic rounding, 2 = uint8 (the arithmetic 8-bit
 moment codec: int8 codes of m rounded to nearest, log codes of sqrt(v) on its bits; no table, no search),
@@ -70,6 +74,10 @@ Q8_MAXNREG = 80
 # cap. Not yet timed on a GPU (bench/gpu_coded_tune.py: variant suffix "n" launches every chunk in one launch as
 # before, for the A/B). False: one launch of every chunk (FULL=False).
 SPLIT_FULL = True
+# The FULL launch with its loads one tile ahead (PIPELINE): the tile's loads are in flight during the previous
+# tile's arithmetic (the kernel is latency-bound, [Note: the coded kernel]) at the cost of the registers that
+# hold them. Not yet timed on a GPU (bench/gpu_coded_tune.py: variant suffix "p"); off until it is.
+PIPELINE_FULL = False
 
 
 def launch_options(m_kind: int, v_kind: int, full: bool = False) -> dict:
@@ -81,25 +89,39 @@ def launch_options(m_kind: int, v_kind: int, full: bool = False) -> dict:
 
 @triton.jit
 def _load_moment(ptr, scale_ptr, offs, mask, rows, numel, MASKED: tl.constexpr, KIND: tl.constexpr,
-                 SQ: tl.constexpr, ALIGNED: tl.constexpr):
-    """Decode one moment of the tile to fp32 (KIND: see [Note: the coded kernel]; SQ: exp_avg_sq, whose
-    8-bit code is the log code of sqrt(v)). A blockwise moment's scale is loaded once per row (block) and broadcast,
-    so the per-block division of the decode runs once per row, not per element."""
+                 ALIGNED: tl.constexpr):
+    """One moment of the tile as stored (KIND: see [Note: the coded kernel]): (values or codes, the blockwise
+    kinds' fp32 scale per row [ROWS]; the values again for the others), decoded by _decode_moment. A blockwise
+    moment's scale is loaded once per row (block) and broadcast there."""
     if KIND == 0:
-        return ld(typed_pointer(ptr, tl.float32, ALIGNED), offs, mask, MASKED)
+        x = ld(typed_pointer(ptr, tl.float32, ALIGNED), offs, mask, MASKED)
+        return x, x
     elif KIND == 1:
-        return decode_bf16(ld(typed_pointer(ptr, tl.uint16, ALIGNED), offs, mask, MASKED))
+        x = ld(typed_pointer(ptr, tl.uint16, ALIGNED), offs, mask, MASKED)
+        return x, x
     else:
-        code = ld(typed_pointer(ptr, tl.uint8, ALIGNED), offs, mask, MASKED)
         row_mask = rows * QBLOCK < numel if MASKED else None
-        scale = per_row(ld(scale_ptr.to(tl.pointer_type(tl.float32)), rows, row_mask, MASKED), code)
+        return (ld(typed_pointer(ptr, tl.uint8, ALIGNED), offs, mask, MASKED),
+                ld(scale_ptr.to(tl.pointer_type(tl.float32)), rows, row_mask, MASKED))
+
+
+@triton.jit
+def _decode_moment(x, scale, KIND: tl.constexpr, SQ: tl.constexpr):
+    """A moment from _load_moment to fp32 (SQ: exp_avg_sq, whose 8-bit code is the log code of sqrt(v)); the
+    per-block division of the 8-bit m decode runs once per row, not per element."""
+    if KIND == 0:
+        return x
+    elif KIND == 1:
+        return decode_bf16(x)
+    else:
+        scale = per_row(scale, x)
         if KIND == 2:
             if SQ:
-                return decode_v8(code, scale)
+                return decode_v8(x, scale)
             else:
-                return decode_m8(code, scale)
+                return decode_m8(x, scale)
         else:
-            return decode_f8(code) * scale
+            return decode_f8(x) * scale
 
 
 @triton.jit
@@ -155,27 +177,57 @@ def _store_param(p, a_master, a_p16, offs, mask, MASKED: tl.constexpr, P16_KIND:
 
 
 @triton.jit
-def _coded_tile(row, offs, rows, numel, step_size, bc2_sqrt, decay, grad_scale, m_key, v_key, index_offset,
-                one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
-                GRAD_DTYPE: tl.constexpr, P16_KIND: tl.constexpr, MASTER_KIND: tl.constexpr,
-                M_KIND: tl.constexpr, V_KIND: tl.constexpr, MASKED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
-                ADAMW: tl.constexpr, MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr):
-    """Load, decode, update, encode and store one tile of one tensor (table row ``row``): ``offs`` from
-    _tile_offsets, ``rows`` [ROWS] its blocks; MASKED: only the lanes inside the tensor (a mask of None
-    elsewhere: no compare is computed, block_absmax takes every lane)."""
-    mask = offs < numel if MASKED else None
-    a_master, a_p16 = tl.load(row + 0), tl.load(row + 6)
+def _tile_load(row, offs, mask, rows, numel, GRAD_DTYPE: tl.constexpr, MASTER_KIND: tl.constexpr,
+               M_KIND: tl.constexpr, V_KIND: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
+               DECODE: tl.constexpr):
+    """Every load of one tile of one tensor (table row ``row``): (master or bf16 parameter bits, int16
+    remainder, grad, exp_avg, its scales, exp_avg_sq, its scales) as stored, which _tile_decode decodes; or,
+    DECODE, each decoded right after its load (then p, g, m, v are fp32 and the other fields repeat them).
+    Undecoded for the pipelined FULL launch, which issues a tile's loads before the previous tile's arithmetic
+    ([Note: full and rest launches] in _multi_tensor.py); decoded in place elsewhere, the instruction order the
+    register counts of the codegen cases were measured with (decoding after all loads costs the 8-bit
+    fp32-master FULL case a 4-byte spill on sm_80)."""
     if MASTER_KIND == 1:
-        p = join_remainder(ld(typed_pointer(a_p16, tl.uint16, ALIGNED), offs, mask, MASKED),
-                           ld(typed_pointer(a_master, tl.int16, ALIGNED), offs, mask, MASKED))
+        a = ld(typed_pointer(tl.load(row + 6), tl.uint16, ALIGNED), offs, mask, MASKED)
+        b = ld(typed_pointer(tl.load(row + 0), tl.int16, ALIGNED), offs, mask, MASKED)
+        if DECODE:
+            a = join_remainder(a, b)
+            b = a
     else:
-        p = ld(typed_pointer(a_master, tl.float32, ALIGNED), offs, mask, MASKED)
-    g = ld(typed_pointer(tl.load(row + 1), GRAD_DTYPE, ALIGNED), offs, mask, MASKED).to(tl.float32)
-    m = _load_moment(tl.load(row + 2), tl.load(row + 4), offs, mask, rows, numel, MASKED, M_KIND, False, ALIGNED)
-    v = _load_moment(tl.load(row + 3), tl.load(row + 5), offs, mask, rows, numel, MASKED, V_KIND, True, ALIGNED)
+        a = ld(typed_pointer(tl.load(row + 0), tl.float32, ALIGNED), offs, mask, MASKED)
+        b = a
+    g = ld(typed_pointer(tl.load(row + 1), GRAD_DTYPE, ALIGNED), offs, mask, MASKED)
+    if DECODE:
+        g = g.to(tl.float32)
+    m, ms = _load_moment(tl.load(row + 2), tl.load(row + 4), offs, mask, rows, numel, MASKED, M_KIND, ALIGNED)
+    if DECODE:
+        m = _decode_moment(m, ms, M_KIND, False)
+        ms = m
+    v, vs = _load_moment(tl.load(row + 3), tl.load(row + 5), offs, mask, rows, numel, MASKED, V_KIND, ALIGNED)
+    if DECODE:
+        v = _decode_moment(v, vs, V_KIND, True)
+        vs = v
+    return a, b, g, m, ms, v, vs
+
+
+@triton.jit
+def _tile_step(row, a, b, g, m, ms, v, vs, offs, mask, rows, numel, step_size, bc2_sqrt, decay, grad_scale,
+               m_key, v_key, index_offset, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+               P16_KIND: tl.constexpr, MASTER_KIND: tl.constexpr, M_KIND: tl.constexpr, V_KIND: tl.constexpr,
+               MASKED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, ADAMW: tl.constexpr, MAXIMIZE: tl.constexpr,
+               ALIGNED: tl.constexpr, DECODED: tl.constexpr):
+    """Decode the loads of _tile_load (unless DECODED), update, encode and store the tile."""
+    if DECODED:
+        p = a
+    else:
+        p = join_remainder(a, b) if MASTER_KIND == 1 else a
+        g = g.to(tl.float32)
+        m = _decode_moment(m, ms, M_KIND, False)
+        v = _decode_moment(v, vs, V_KIND, True)
     p, m, v, _, root = adam_update(p, g, m, v, v, step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1,
                                    beta2, one_minus_beta2, eps, weight_decay, HAS_GRAD_SCALE, ADAMW, False,
                                    MAXIMIZE)
+    a_master, a_p16 = tl.load(row + 0), tl.load(row + 6)
     # The parameter first, its registers free before the moments' row reductions (8-bit: -8 registers); not
     # next to an fp8 moment, where triton 3.6's ptxas then spills a few bytes.
     P_FIRST: tl.constexpr = M_KIND != 3 and V_KIND != 3
@@ -187,6 +239,23 @@ def _coded_tile(row, offs, rows, numel, step_size, bc2_sqrt, decay, grad_scale, 
                   MASKED, V_KIND, True, ALIGNED)
     if not P_FIRST:
         _store_param(p, a_master, a_p16, offs, mask, MASKED, P16_KIND, MASTER_KIND, ALIGNED)
+
+
+@triton.jit
+def _coded_tile(row, offs, rows, numel, step_size, bc2_sqrt, decay, grad_scale, m_key, v_key, index_offset,
+                one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+                GRAD_DTYPE: tl.constexpr, P16_KIND: tl.constexpr, MASTER_KIND: tl.constexpr,
+                M_KIND: tl.constexpr, V_KIND: tl.constexpr, MASKED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
+                ADAMW: tl.constexpr, MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Load, decode, update, encode and store one tile of one tensor (table row ``row``): ``offs`` from
+    _tile_offsets, ``rows`` [ROWS] its blocks; MASKED: only the lanes inside the tensor (a mask of None
+    elsewhere: no compare is computed, block_absmax takes every lane)."""
+    mask = offs < numel if MASKED else None
+    a, b, g, m, ms, v, vs = _tile_load(row, offs, mask, rows, numel, GRAD_DTYPE, MASTER_KIND, M_KIND, V_KIND,
+                                       MASKED, ALIGNED, True)
+    _tile_step(row, a, b, g, m, ms, v, vs, offs, mask, rows, numel, step_size, bc2_sqrt, decay, grad_scale,
+               m_key, v_key, index_offset, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, P16_KIND,
+               MASTER_KIND, M_KIND, V_KIND, MASKED, HAS_GRAD_SCALE, ADAMW, MAXIMIZE, ALIGNED, True)
 
 
 @triton.jit
@@ -238,6 +307,7 @@ def fused_adam_coded_kernel(
     N_ITERS: tl.constexpr,         # iterations per program
     FULL: tl.constexpr,            # every chunk lies inside its tensor, every address 16-byte aligned (checked
                                    # on the host, [Note: full and rest launches]): only the 128-bit path is compiled
+    PIPELINE: tl.constexpr = False,  # with FULL: iteration i + 1's loads issued before iteration i's arithmetic
 ):
     if HAS_FOUND_INF:
         if tl.load(found_inf_ptr) != 0:
@@ -251,6 +321,25 @@ def fused_adam_coded_kernel(
     ROWS: tl.constexpr = BLOCK_SIZE // QBLOCK
     # 128-bit accesses of the widest array: 4 per thread when one is fp32 (and the others follow), else 8
     VEC: tl.constexpr = 4 if (MASTER_KIND == 0 or GRAD_DTYPE == tl.float32 or M_KIND == 0 or V_KIND == 0) else 8
+    if FULL and PIPELINE:
+        # Unrolled; the loads of tile i + 1 are in flight during tile i's arithmetic and stores (distinct
+        # addresses: other elements and blocks of the same tensor). Registers: those loads, live across a tile.
+        offs = _tile_offsets(start, ROWS, VEC, True)
+        rows = start // QBLOCK + tl.arange(0, ROWS).to(tl.int64)
+        nxt = _tile_load(row, offs, None, rows, numel, GRAD_DTYPE, MASTER_KIND, M_KIND, V_KIND, False, True, False)
+        for i in tl.static_range(N_ITERS):
+            a, b, g, m, ms, v, vs = nxt
+            cur_offs, cur_rows = offs, rows
+            if i + 1 < N_ITERS:
+                offs = _tile_offsets(start + (i + 1) * BLOCK_SIZE, ROWS, VEC, True)
+                rows = (start + (i + 1) * BLOCK_SIZE) // QBLOCK + tl.arange(0, ROWS).to(tl.int64)
+                nxt = _tile_load(row, offs, None, rows, numel, GRAD_DTYPE, MASTER_KIND, M_KIND, V_KIND, False,
+                                 True, False)
+            _tile_step(row, a, b, g, m, ms, v, vs, cur_offs, None, cur_rows, numel, step_size, bc2_sqrt, decay,
+                       grad_scale, m_key, v_key, index_offset, one_minus_beta1, beta2, one_minus_beta2, eps,
+                       weight_decay, P16_KIND, MASTER_KIND, M_KIND, V_KIND, False, HAS_GRAD_SCALE, ADAMW,
+                       MAXIMIZE, True, False)
+        return
     for i in range(N_ITERS):
         block_start = start + i * BLOCK_SIZE
         rows = block_start // QBLOCK + tl.arange(0, ROWS).to(tl.int64)
@@ -358,14 +447,16 @@ def _launch(key: tuple, rows: list[int], numels: list[int], c: Tensor, k: Tensor
                 GRAD_DTYPE=_TL[grad_dtype], P16_KIND=_P16[p16_dtype], MASTER_KIND=master_kind,
                 M_KIND=_KIND[m_dtype], V_KIND=_KIND[v_dtype], HAS_GRAD_SCALE=grad_scale is not None,
                 HAS_FOUND_INF=found_inf is not None, ADAMW=bool(adamw), MAXIMIZE=bool(maximize),
-                BLOCK_SIZE=BLOCK, N_ITERS=ITERS, FULL=full, **launch_options(_KIND[m_dtype], _KIND[v_dtype], full))
+                BLOCK_SIZE=BLOCK, N_ITERS=ITERS, FULL=full, PIPELINE=full and PIPELINE_FULL,
+                **launch_options(_KIND[m_dtype], _KIND[v_dtype], full))
 
 
 # Ahead-of-time codegen cases (tests/test_codegen.py, sm_80 and sm_90): every state kind of each moment, the
 # remainder and fp32-master layouts, bf16, fp16 and fp32 gradients; the 8-bit moment codec (kind 2) for both
 # moments together (remainder; fp32 master with fp32 or bf16 gradients), for exp_avg_sq next to an fp32 / fp8
 # exp_avg, and for exp_avg next to a bf16 exp_avg_sq. Each as the FULL launch (at most 80 registers, no cap,
-# no spill); the launch of the rest chunks (every path, FULL=False) for the first four.
+# no spill); the launch of the rest chunks (every path, FULL=False) and the pipelined FULL launch (PIPELINE:
+# 92-96 registers on sm_90, 106-128 on sm_80, triton 3.9; at most 128) for the first four.
 def _codegen_cases() -> list:
     sig = dict(ptr_table="*i64", numels="*i64", coeffs="*fp32", keys="*i64", chunk_tensor="*i32",
                chunk_start="*i64", grad_scale_ptr="*fp32", found_inf_ptr="*fp32", one_minus_beta1="fp32",
@@ -376,12 +467,13 @@ def _codegen_cases() -> list:
                (tl.float32, 0, 0, 2, 2), (tl.bfloat16, 1, 0, 0, 2), (tl.bfloat16, 1, 1, 3, 2),
                (tl.bfloat16, 1, 0, 2, 2))
     cases = []
-    for full, chosen in ((True, layouts), (False, layouts[:4])):
+    for full, pipe, chosen in ((True, False, layouts), (False, False, layouts[:4]), (True, True, layouts[:4])):
         for grad, p16, master, m_kind, v_kind in chosen:
             ce = dict(GRAD_DTYPE=grad, P16_KIND=p16, MASTER_KIND=master, M_KIND=m_kind, V_KIND=v_kind,
                       HAS_GRAD_SCALE=True, HAS_FOUND_INF=True, ADAMW=True, MAXIMIZE=False, BLOCK_SIZE=BLOCK,
-                      N_ITERS=ITERS, FULL=full)
-            desc = (f"coded {'full' if full else 'rest'} grad={grad} p16={['none', 'bf16', 'fp16'][p16]} "
+                      N_ITERS=ITERS, FULL=full, PIPELINE=pipe)
+            desc = (f"coded {'pipelined ' if pipe else ''}{'full' if full else 'rest'} grad={grad} "
+                    f"p16={['none', 'bf16', 'fp16'][p16]} "
                     f"master={['fp32', 'remainder'][master]} m={names[m_kind]} v={names[v_kind]}")
             # 128-bit accesses: at least one wide load and store (fp32 arrays) when
             # an fp32 array is present, else the check below is "no wide accesses required".
@@ -389,7 +481,7 @@ def _codegen_cases() -> list:
             opts = dict(launch_options(m_kind, v_kind, full), streaming=True, min_wide_loads=wide,
                         min_wide_stores=wide, max_shared=0)
             if full:   # the host checked the alignment: the PTX has no test of it
-                opts.update(max_regs=80, host_aligned=True)
+                opts.update(max_regs=128 if pipe else 80, host_aligned=True)
             else:
                 opts.update(max_spill=8 if m_kind == v_kind == 2 else 0)
             cases.append((fused_adam_coded_kernel, sig, ce, desc, opts))

@@ -109,26 +109,30 @@ def test_fp32_moments_with_remainders_and_fp16_masters():
     check(3, torch.float16, False, F32, F32, 4)
 
 
-def test_full_and_rest_launches(monkeypatch):
+@pytest.mark.parametrize("pipeline, rem, mv_dtype", [(False, True, U8), (True, True, U8), (True, False, BF)])
+def test_full_and_rest_launches(pipeline, rem, mv_dtype, monkeypatch):
     """The full chunks run in the FULL launch, every other chunk (a tensor's last partial one, each of a
     misaligned tensor's) in the rest launch, and both give the definition's bits. The interpreter does not
     fault on a misaligned vector access, so the launches are recorded too: a FULL launch never gets a chunk of
-    a misaligned tensor or one past a tensor's end."""
+    a misaligned tensor or one past a tensor's end. ``pipeline``: the FULL launch with its loads one tile ahead
+    (PIPELINE_FULL; remainders: 8 elements per thread, an fp32 master: 4)."""
     from zero_kernels.kernels import adam_coded as AC
     kernel, launches = AC.fused_adam_coded_kernel, []
 
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kw):
+                assert kw["PIPELINE"] == (pipeline and kw["FULL"])
                 launches.append((kw["FULL"], list(zip(args[4].tolist(), args[5].tolist()))))
                 return kernel[grid](*args, **kw)
             return launch
     monkeypatch.setattr(AC, "fused_adam_coded_kernel", Spy())
+    monkeypatch.setattr(AC, "PIPELINE_FULL", pipeline)
     C_ = AC.CHUNK
     sizes = [2 * C_ + 5, C_, 300, 2 * C_]
 
     def make():
-        ps, states = setup(11, BF, True, U8, U8, sizes=sizes)
+        ps, states = setup(11, BF, rem, mv_dtype, mv_dtype, sizes=sizes)
         buf = torch.empty(ps[3].numel() + 1, dtype=BF)       # tensor 3: a view 2 bytes past an aligned buffer
         buf[1:].copy_(ps[3])
         ps[3] = buf[1:]

@@ -262,6 +262,8 @@ FAULTS = [
     ("cod.full_ignores_grad_alignment", KCA, "return tuple(((a | g | m | v | p) & 15) == 0",
      "return tuple(((a | m | v | p) & 15) == 0", "coded",
      "a tensor whose gradient is misaligned sent to the FULL launch"),
+    ("cod.pipeline_rows_of_next_tile", KCA, "cur_offs, None, cur_rows,", "cur_offs, None, rows,", "coded",
+     "the pipelined FULL launch stores tile i's block scales at tile i + 1's rows"),
     ("cod.sr_key_streams_swapped", KCA, "m_key, v_key = sr_key(seed, count, 0), sr_key(seed, count, 1)",
      "m_key, v_key = sr_key(seed, count, 1), sr_key(seed, count, 0)", "coded",
      "the SR keys of exp_avg and exp_avg_sq swapped (kernel-side key derivation)"),
