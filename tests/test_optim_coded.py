@@ -340,6 +340,10 @@ def test_fp32_checkpoint_into_coded_optimizer_converts_as_the_codecs_define():
         assert torch.equal(sb["exp_avg_sq"], st["exp_avg_sq"].float())
         assert torch.equal(sb["master_param"], C.join_remainder(p.detach(), st["master_remainder"]))
         assert sb["exp_avg"].dtype == F32 and set(sb) == {"step", "exp_avg", "exp_avg_sq", "master_param"}
+    # ... which is the README's way to torch.optim.AdamW (whose own load would cast the codes as if moments)
+    t = torch.optim.AdamW(a, lr=1e-3)
+    t.load_state_dict(back.state_dict())
+    assert all(torch.equal(t.state[p]["exp_avg"], back.state[p]["exp_avg"].to(p.dtype)) for p in a)
 
 
 def test_bad_checkpoints_raise_before_anything_is_loaded():
