@@ -7,6 +7,7 @@
 #   NCU=1 bash tools/gpu_session.sh          # then Nsight Compute on one launch of the step kernels (llama7b-layer)
 #   TUNE=1 bash tools/gpu_session.sh         # then bench/gpu_coded_tune.py (${TUNE_ARGS}): the coded kernel's
 #                                             # launch variants, e.g. the full-chunk launch against one launch
+#                                             # ("n") and against its pipelined form ("p")
 #   BASE=gpu_base BASE_ARGS="--modes 8bit --candidates triton" bash tools/gpu_session.sh
 #                                             # then the same benchmark against a baseline copy of the package
 #                                             # (a folder holding zero_kernels/ with kernels/ and csrc/ inside,
@@ -92,7 +93,8 @@ if [ -n "${BASE:-}" ] && [ -d "$BASE/zero_kernels" ]; then
   cat "$OUT/base.tmp" >> "$OUT/bench.log"; rm -f "$OUT/base.tmp"
 fi
 
-# 4c. the coded kernel's launch variants (TUNE): its default variants A/B the full-chunk launch ("n": one launch)
+# 4c. the coded kernel's launch variants (TUNE): its default variants A/B the full-chunk launch ("n": one launch;
+#     "p": the full-chunk launch pipelined)
 if [ -n "${TUNE:-}" ]; then
   t0=$SECONDS
   { echo "=== bench/gpu_coded_tune.py ${TUNE_ARGS:-}"
