@@ -277,8 +277,9 @@ def test_state_dict_round_trip_resumes_bit_for_bit(backend):
     torch.save(ob.state_dict(), buf)
     buf.seek(0)
     sd = torch.load(buf, weights_only=True)
-    assert set(sd["state"][4]) == {"step", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale", "master_remainder"}
-    assert sd["state"][4]["exp_avg"].dtype == U8 and sd["state"][4]["exp_avg_sq"].dtype == F8
+    assert set(sd["state"][4]) == {"step", "exp_avg_codes", "exp_avg_scale", "exp_avg_sq_codes", "exp_avg_sq_scale",
+                                   "master_remainder"}
+    assert sd["state"][4]["exp_avg_codes"].dtype == U8 and sd["state"][4]["exp_avg_sq_codes"].dtype == F8
     oc = make(b, HP[0], backend, **f)
     with warnings.catch_warnings():
         warnings.simplefilter("error")                   # same format: nothing converted, no warning
@@ -290,6 +291,45 @@ def test_state_dict_round_trip_resumes_bit_for_bit(backend):
     for p, q in zip(a, b):
         assert torch.equal(bits(p), bits(q))
         assert all(torch.equal(bits(oa.state[p][k]), bits(oc.state[q][k])) for k in oa.state[p])
+
+
+def test_torch_adamw_cannot_step_on_saved_codes_and_old_names_still_load():
+    """torch.optim.AdamW's load casts every state tensor to the parameter's dtype: codes saved as ``exp_avg``
+    would become moments of 0-255 without a word. Saved as ``exp_avg_codes`` (values keep their names), torch's
+    first step raises instead. Codes saved under the plain names (earlier builds) still load, bit for bit."""
+    f = FORMATS["8bit+rem"]
+    a = params_of(8, BF)
+    o = opt_run(a, HP[0], 2, 9, "reference", f)
+    sd = o.state_dict()
+    big, small = sd["state"][5], sd["state"][0]                       # 1003 elements (codes), 1 (fp32 values)
+    assert big["exp_avg_codes"].dtype == U8 and "exp_avg" not in big and "exp_avg_sq" not in big
+    assert small["exp_avg"].dtype == F32 and "exp_avg_codes" not in small
+    assert set(o.state[a[5]]) >= {"exp_avg", "exp_avg_sq"}          # the live state keeps its names
+    t = torch.optim.AdamW(a, lr=1e-3)
+    t.load_state_dict(copy.deepcopy(sd))
+    for p, g in zip(a, grads_of(9, 2, a)):
+        p.grad = g
+    with pytest.raises(KeyError, match="exp_avg"):
+        t.step()
+    # the plain names of earlier builds, and the bad forms
+    old = copy.deepcopy(sd)
+    for st in old["state"].values():
+        for k in ("exp_avg", "exp_avg_sq"):
+            if k + "_codes" in st:
+                st[k] = st.pop(k + "_codes")
+    want = {k: v.clone() for k, v in o.state[a[5]].items()}
+    o2 = make(a, HP[0], "reference", **f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                               # same format: nothing converted
+        o2.load_state_dict(old)
+    assert all(torch.equal(bits(v), bits(o2.state[a[5]][k])) for k, v in want.items())
+    both = copy.deepcopy(sd)
+    both["state"][5]["exp_avg"] = both["state"][5]["exp_avg_codes"].clone()
+    values = copy.deepcopy(sd)
+    values["state"][5]["exp_avg_codes"] = torch.zeros(a[5].shape)
+    for bad, msg in ((both, "both 'exp_avg' and 'exp_avg_codes'"), (values, "holds torch.float32, not uint8")):
+        with pytest.raises(ValueError, match=msg):
+            make(a, HP[0], "reference", **f).load_state_dict(bad)
 
 
 def test_state_dict_names_its_8bit_code_and_load_checks_it():

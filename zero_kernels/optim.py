@@ -171,11 +171,13 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
                 self._resolve(dev)
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's state dict, plus ``"u8_code"`` (codecs.U8_CODE) when a state holds uint8 moment codes: the
-        code they are in, checked by load_state_dict before anything is decoded."""
+        """torch's state dict, blockwise codes under their saved names (``exp_avg_codes``, ...: [Note: coded
+        state dicts] in optim_coded.py), plus ``"u8_code"`` (codecs.U8_CODE) when a state holds uint8 moment
+        codes: the code they are in, checked by load_state_dict before anything is decoded."""
         sd = super().state_dict()
         if codecs.holds_u8_moments(sd["state"].values()):
             sd["u8_code"] = codecs.U8_CODE
+        sd["state"] = {i: optim_coded.saved_form(st) for i, st in sd["state"].items()}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

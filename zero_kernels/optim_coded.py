@@ -2,8 +2,8 @@
 checking them, converting checkpoints between formats, and the step on the backends that run them.
 
 [Note: coded state dicts]
-With any non-default state format, ``opt.state[p]`` (and ``opt.state_dict()["state"][i]``) holds plain
-tensors only (``torch.load(weights_only=True)`` reads them), laid out by ``codecs.init_coded_state``:
+With any non-default state format, ``opt.state[p]`` (and ``opt.state_dict()["state"][i]``, the codes renamed as
+below) holds plain tensors only (``torch.load(weights_only=True)`` reads them), laid out by ``codecs.init_coded_state``:
 
     step                fp32 0-d, on the parameter's device
     exp_avg             fp32 | bf16 | uint8 codes | float8_e4m3fn codes, shaped like the parameter
@@ -15,6 +15,13 @@ tensors only (``torch.load(weights_only=True)`` reads them), laid out by ``codec
 
 The bf16 stochastic-rounding seed of a parameter is its position in the optimizer's parameter order
 (its id in ``state_dict()``), so a reloaded optimizer draws the same random bits.
+
+``state_dict()`` saves blockwise codes (uint8, float8_e4m3fn) under ``exp_avg_codes`` / ``exp_avg_sq_codes``
+(``saved_form``; fp32 and bf16 moments, which are values, keep their names): ``torch.optim.AdamW``'s
+load_state_dict casts every state tensor to the parameter's dtype, so codes under the moments' own names would
+be loaded as moments (uint8 codes as 0-255, fp8 codes unscaled) without a word; under these names torch's first
+step raises KeyError 'exp_avg'.
+``load_state_dict`` maps them back (``live_form``), and still reads codes saved under the plain names.
 
 Loading a state dict saved in another format (torch.optim.AdamW or an fp32 FusedAdamW into a coded
 optimizer, or a coded one into an fp32 optimizer) CONVERTS each state exactly as the codecs define:
@@ -45,11 +52,41 @@ from . import _coded_host, backends, codecs
 from ._launch_plan import local, packed_steps, state_values, states_unchanged
 from .hparams import StateFormat, as_float, scalar_lr
 
-__all__ = ["new_state", "state_problem", "convert_state", "convert_state_dict", "is_coded_state", "resolve_backend",
+__all__ = ["new_state", "state_problem", "convert_state", "convert_state_dict", "is_coded_state", "saved_form",
+           "live_form", "resolve_backend",
            "CodedWork", "CodedPlan", "coded_plans", "step_coded", "run_coded", "group_hparams"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _STREAM = {"exp_avg": 0, "exp_avg_sq": 1}
+_CODES = {"exp_avg": "exp_avg_codes", "exp_avg_sq": "exp_avg_sq_codes"}   # saved names of blockwise codes
+
+
+def saved_form(state: dict[str, Any]) -> dict[str, Any]:
+    """One parameter's state as ``state_dict()`` saves it: blockwise codes under their saved names
+    ([Note: coded state dicts]); a new dict when renamed (torch's state_dict shares the live ones)."""
+    coded = [k for k in _MOMENTS if isinstance(state.get(k), Tensor) and state[k].dtype in codecs.BLOCKWISE]
+    if not coded:
+        return state
+    return {(_CODES[k] if k in coded else k): v for k, v in state.items()}
+
+
+def live_form(where: str, saved: dict[str, Any]) -> dict[str, Any]:
+    """The reverse of saved_form (codes saved under the plain names by earlier builds pass as they are).
+    Raises ValueError when a moment is saved under both names, or values under the codes' name."""
+    if not any(c in saved for c in _CODES.values()):
+        return saved
+    out = dict(saved)
+    for k, c in _CODES.items():
+        if c not in out:
+            continue
+        t = out.pop(c)
+        if k in out:
+            raise ValueError(f"{where}: both {k!r} and {c!r} are saved; a state holds one of them. Nothing was loaded.")
+        if not isinstance(t, Tensor) or t.dtype not in codecs.BLOCKWISE:
+            got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{where}: {c!r} holds {got}, not uint8 or float8_e4m3fn codes. Nothing was loaded.")
+        out[k] = t
+    return out
 _C_KERNELS = ("cpu", "cuda")
 
 
@@ -156,9 +193,11 @@ def convert_state(where: str, saved: dict[str, Any], p: Tensor, fmt: StateFormat
 
 
 def convert_state_dict(state_dict: dict[str, Any], param_groups: list[dict], fmt: StateFormat) -> dict[str, Any]:
-    """``state_dict`` with every saved state in ``fmt`` (a new dict; the caller's is not modified). An fp32
-    optimizer (``fmt`` not coded) converts only saved coded states. Raises ValueError before anything is loaded."""
-    saved = state_dict["state"]
+    """``state_dict`` with every saved state in ``fmt`` (a new dict; the caller's is not modified), its codes
+    under the live names (``live_form``). An fp32 optimizer (``fmt`` not coded) converts only saved coded states.
+    Raises ValueError before anything is loaded."""
+    saved = {i: live_form(f"state_dict['state'][{i}]", st) if isinstance(st, dict) else st
+             for i, st in state_dict["state"].items()}
     if codecs.holds_u8_moments(st for st in saved.values() if isinstance(st, dict)):
         why = codecs.u8_code_problem(state_dict.get("u8_code"))
         if why is not None:
@@ -166,7 +205,7 @@ def convert_state_dict(state_dict: dict[str, Any], param_groups: list[dict], fmt
     ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     params = [p for g in param_groups for p in g["params"]]
     if len(ids) != len(params):
-        return state_dict                                  # torch's load_state_dict raises its own error
+        return {**state_dict, "state": saved}              # torch's load_state_dict raises its own error
     if fmt.coded and any(g.get("amsgrad", False) for g in state_dict["param_groups"]):
         raise ValueError("the state dict's param_groups have amsgrad=True, which coded states do not support "
                          "(max_exp_avg_sq has no coded format); set amsgrad=False in it. Nothing was loaded.")
