@@ -3,19 +3,21 @@
     python bench/gpu_coded_tune.py                      # llama7b-layer, 8bit and 8bit+rem, every variant
     python bench/gpu_coded_tune.py --modes 8bit --variants 8x1024x4,8x1024x1
     python bench/gpu_coded_tune.py --base zero_kernels._kernels_base --variants 4x1024x4,base:4x1024x4
+    python bench/gpu_coded_tune.py --modes fp32,bf16-master --variants 4x1024x4,4x1024x4s   # fp32 states
 
-A variant is WARPSxBLOCKxITERS[rMAXNREG][n|p] (num_warps, elements per iteration = BLOCK // 256 quantization
+A variant is WARPSxBLOCKxITERS[rMAXNREG][n|p|s] (num_warps, elements per iteration = BLOCK // 256 quantization
 blocks, iterations per program, optionally a register cap per thread of the rest launch's 8-bit kernel, and
 ``n``: every chunk in one launch of the kernel with every path instead of the full chunks in a FULL launch of
 their own, [Note: full and rest launches]; ``p``: the FULL launch pipelined, each tile's loads issued before the
-previous tile's arithmetic, PIPELINE_FULL); ``base:WARPSxBLOCKxITERS`` runs the kernel of
+previous tile's arithmetic, PIPELINE_FULL; ``s``: the fp32-state kernel's own full-chunk launch,
+kernels/adam.py SPLIT_FULL, for the modes fp32 and bf16-master, whose kernel ignores the other fields); ``base:WARPSxBLOCKxITERS`` runs the kernel of
 another copy of kernels/ instead (``--base``: a module path, e.g. a baseline kernels/ copied to
 zero_kernels/_kernels_base), interleaved with the others in the same process: an A/B of a kernel change on one
 warm GPU. Each variant's first step is checked bit for bit against the first variant's on the same inputs (a
 variant that differs is marked FAILED and not timed); then device time per step, median over rounds (CUDA events
 around FusedAdamW.step, states and gradients fixed). GB/s from bench/gpu.py's byte counts. The kernel's module
-globals are set per variant (BLOCK, ITERS, CHUNK, LAUNCH_OPTIONS, Q8_MAXNREG, SPLIT_FULL, PIPELINE_FULL, the kernel itself): a tuning
-tool, not a way to run the optimizer. Without a CUDA GPU it says so and exits 0.
+globals are set per variant (BLOCK, ITERS, CHUNK, LAUNCH_OPTIONS, Q8_MAXNREG, SPLIT_FULL, PIPELINE_FULL, the kernel
+itself; kernels/adam.py's SPLIT_FULL): a tuning tool, not a way to run the optimizer. Without a CUDA GPU it says so and exits 0.
 """
 from __future__ import annotations
 
@@ -46,11 +48,14 @@ class _WithoutFull:
 
 
 def set_variant(warps: int, block: int, iters: int, kernel=None, maxnreg: int = 0, split: bool = True,
-                pipeline: bool = False) -> None:
+                pipeline: bool = False, fp32_split: bool = False) -> None:
     """Module constants of kernels/adam_coded.py for one variant; ``kernel``: another jit kernel (a baseline's)
     launched in place of the module's own, None for the module's own; ``maxnreg``: the register cap per thread
-    of the 8-bit-moment rest launches (Q8_MAXNREG; 0: none); ``split``: SPLIT_FULL; ``pipeline``: PIPELINE_FULL."""
+    of the 8-bit-moment rest launches (Q8_MAXNREG; 0: none); ``split``: SPLIT_FULL; ``pipeline``: PIPELINE_FULL;
+    ``fp32_split``: kernels/adam.py's SPLIT_FULL."""
+    from zero_kernels.kernels import adam as A
     from zero_kernels.kernels import adam_coded as AC
+    A.SPLIT_FULL = fp32_split
     if not _OWN_KERNEL:
         _OWN_KERNEL.append(AC.fused_adam_coded_kernel)
     AC.fused_adam_coded_kernel = _WithoutFull(kernel) if kernel is not None else _OWN_KERNEL[0]
@@ -63,18 +68,18 @@ def set_variant(warps: int, block: int, iters: int, kernel=None, maxnreg: int = 
 
 def parse_variant(v: str, base) -> tuple:
     """'4x1024x4', 'base:4x1024x4', '4x1024x4r80' (at most 80 registers per thread), '4x1024x4r80n' (one
-    launch) or '4x1024x4r80p' (the FULL launch pipelined) -> (warps, block, iters, kernel or None, maxnreg,
-    split, pipeline)."""
+    launch), '4x1024x4r80p' (the FULL launch pipelined) or '4x1024x4s' (the fp32-state kernel's split) ->
+    (warps, block, iters, kernel or None, maxnreg, split, pipeline, fp32_split)."""
     kernel = None
     if v.startswith("base:"):
         if base is None:
             raise SystemExit(f"variant {v!r} needs --base")
         kernel, v = base.fused_adam_coded_kernel, v[len("base:"):]
-    split, pipeline = not v.endswith("n"), v.endswith("p")
+    split, pipeline, fp32_split = not v.endswith("n"), v.endswith("p"), v.endswith("s")
     if pipeline and kernel is not None:
         raise SystemExit(f"variant {v!r}: a --base kernel has no pipelined FULL launch")
-    v, _, reg = v.rstrip("np").partition("r")
-    return (*(int(x) for x in v.split("x")), kernel, int(reg or 0), split, pipeline)
+    v, _, reg = v.rstrip("nps").partition("r")
+    return (*(int(x) for x in v.split("x")), kernel, int(reg or 0), split, pipeline, fp32_split)
 
 
 def build(shapes, mode, seed=0, device="cuda"):
@@ -82,10 +87,11 @@ def build(shapes, mode, seed=0, device="cuda"):
     import zero_kernels as zk
     from gpu import BETAS, EPS, LR, STATE_FORMATS, WD
     g = torch.Generator(device=device).manual_seed(seed)
-    ps = [torch.nn.Parameter((torch.randn(s, generator=g, device=device) * 0.02).to(torch.bfloat16)) for s in shapes]
+    dt = torch.float32 if mode == "fp32" else torch.bfloat16      # bf16-master: bf16 params, fp32 states
+    ps = [torch.nn.Parameter((torch.randn(s, generator=g, device=device) * 0.02).to(dt)) for s in shapes]
     for p in ps:
-        p.grad = (torch.randn(p.shape, generator=g, device=device) * 1e-3).to(torch.bfloat16)
-    fmt = {k: getattr(torch, v) if isinstance(v, str) else v for k, v in STATE_FORMATS[mode].items()}
+        p.grad = (torch.randn(p.shape, generator=g, device=device) * 1e-3).to(dt)
+    fmt = {k: getattr(torch, v) if isinstance(v, str) else v for k, v in STATE_FORMATS.get(mode, {}).items()}
     opt = zk.FusedAdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, backend="triton", **fmt)
     return ps, opt
 
@@ -122,9 +128,10 @@ def main(argv=None) -> int:
     base = importlib.import_module(args.base + ".adam_coded") if args.base else None
     names = args.variants.split(",")
     variants = [parse_variant(v, base) for v in names]
+    from zero_kernels.kernels import adam as A
     from zero_kernels.kernels import adam_coded as AC
     default = (AC.LAUNCH_OPTIONS["num_warps"], AC.BLOCK, AC.ITERS, None, AC.Q8_MAXNREG, AC.SPLIT_FULL,
-               AC.PIPELINE_FULL)
+               AC.PIPELINE_FULL, A.SPLIT_FULL)
     print(f"{torch.cuda.get_device_name(0)}, {args.workload} ({numel / 1e6:.0f}M), medians of {args.rounds} rounds "
           f"x {args.repeats} steps", flush=True)
     rows = []

@@ -27,7 +27,7 @@ from torch.library import wrap_triton
 
 from ..reference import moment_coeffs
 from ._multi_tensor import (block_offsets, chunk_map, device_guard, pointer_table, program_chunk, round_bf16_bits,
-                            scalar_offsets, typed_pointer, upload)
+                            scalar_offsets, split_launch_tables, typed_pointer, upload)
 
 # Elements per program: BLOCK per iteration x ITERS iterations. Large chunks keep the grid small
 # (and the interpreter fast). BLOCK=1024 with 8 warps gives each thread 4 elements per iteration:
@@ -42,6 +42,13 @@ CHUNK = BLOCK * ITERS
 # Every launch (and every CODEGEN_CASES compile) uses these options; enable_fp_fusion=False: see
 # [Note: interpreter bits are GPU bits] in _multi_tensor.py.
 LAUNCH_OPTIONS = dict(num_warps=8, enable_fp_fusion=False)
+# Full chunks (inside their tensor, all six addresses 16-byte aligned) in a launch of their own, FULL=True
+# ([Note: full and rest launches] in _multi_tensor.py): the kernel with the 128-bit path alone takes 50-53
+# registers per thread instead of 80 (amsgrad 58-61 instead of 106-108; sm_90, triton 3.9, ptxas -v), 4
+# programs of 8 warps per SM instead of 3 (amsgrad 4 instead of 2). The step already runs at 75-84% of the
+# streaming ceiling (H200): not yet timed, so off (bench/gpu_coded_tune.py --modes fp32,bf16-master, variant
+# suffix "s" turns it on for an A/B). False: one launch of every chunk.
+SPLIT_FULL = False
 
 # Columns of the pointer table.
 _MASTER, _GRAD, _EXP_AVG, _EXP_AVG_SQ, _MAX_SQ, _P16 = range(6)
@@ -188,6 +195,8 @@ def fused_adam_kernel(
     MAXIMIZE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,      # elements per iteration
     N_ITERS: tl.constexpr,         # iterations per program (chunk = BLOCK_SIZE * N_ITERS)
+    FULL: tl.constexpr = False,    # every chunk lies inside its tensor and all six addresses are 16-byte aligned
+                                   # (checked on the host, SPLIT_FULL): only the 128-bit path is compiled
 ):
     if HAS_FOUND_INF:
         if tl.load(found_inf_ptr) != 0:
@@ -203,7 +212,7 @@ def fused_adam_kernel(
     step_size, bc2_sqrt, decay, grad_scale = _scalars(coeffs, t, grad_scale_ptr, HAS_GRAD_SCALE)
     for i in range(N_ITERS):
         block_start = start + i * BLOCK_SIZE
-        if aligned and block_start + BLOCK_SIZE <= numel:
+        if FULL or (aligned and block_start + BLOCK_SIZE <= numel):
             _, offs = block_offsets(start, i, BLOCK_SIZE)     # per branch: each has its own register layout
             master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr = _table_pointers(
                 a_master, a_grad, a_m, a_v, a_vmax, a_p16, GRAD_DTYPE, P16_KIND, True)
@@ -269,7 +278,8 @@ _P16_KIND = {None: 0, torch.bfloat16: 1, torch.float16: 2}
 
 def _launch_group(masters, grads, exp_avgs, exp_avg_sqs, max_sqs, params16, coeffs, *, beta1, beta2,
                   eps, weight_decay, adamw, maximize, grad_scale, found_inf) -> int:
-    """One kernel launch for tensors sharing (device, grad dtype, param16 dtype). Returns launches.
+    """One kernel launch (two with SPLIT_FULL: the full chunks, the rest) for tensors sharing (device, grad
+    dtype, param16 dtype). Returns launches.
 
     Host work per step: the data pointers (one flat list, 6 per tensor) and two cache lookups
     ([Note: device tables]); nothing is uploaded and nothing waits for the device unless a
@@ -281,28 +291,42 @@ def _launch_group(masters, grads, exp_avgs, exp_avg_sqs, max_sqs, params16, coef
     ptrs = [x for row in zip([t.data_ptr() for t in masters], [t.data_ptr() for t in grads],
                              [t.data_ptr() for t in exp_avgs], [t.data_ptr() for t in exp_avg_sqs],
                              vmax_ptrs, p16_ptrs) for x in row]
-    table = pointer_table(ptrs, device)
-    numels, chunk_tensor, chunk_start = chunk_map(tuple([t.numel() for t in masters]), CHUNK, device)
-    if chunk_tensor.numel() == 0:
+    sizes = tuple([t.numel() for t in masters])
+    if SPLIT_FULL:
+        table, numels, full, rest = split_launch_tables(ptrs, sizes, aligned_tensors, CHUNK, device)
+        launches = ((full, True), (rest, False))
+    else:
+        table = pointer_table(ptrs, device)
+        numels, *rest = chunk_map(sizes, CHUNK, device)
+        launches = ((rest, False),)
+    launches = [(chunks, full) for chunks, full in launches if chunks[0].numel()]
+    if not launches:
         return 0
     c = coeffs if coeffs.dtype == torch.float32 and coeffs.device == device else coeffs.to(device, torch.float32)
     c = c.contiguous()
     dummy = c  # any fp32 tensor: never read when the flag is off
     gs = grad_scale.to(device=device, dtype=torch.float32) if grad_scale is not None else dummy
     fi = found_inf.to(device=device, dtype=torch.float32) if found_inf is not None else dummy
-    grid = (chunk_tensor.numel(),)
     one_minus_beta1, one_minus_beta2 = moment_coeffs(beta1, beta2)
     with device_guard(device):
-        fused_adam_kernel[grid](
-            table, numels, c, chunk_tensor, chunk_start, gs, fi,
-            one_minus_beta1, float(beta2), one_minus_beta2, float(eps), float(weight_decay),
-            GRAD_DTYPE=_TL_DTYPE[grads[0].dtype],
-            P16_KIND=_P16_KIND[params16[0].dtype if params16 is not None else None],
-            HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-            ADAMW=bool(adamw), AMSGRAD=max_sqs is not None, MAXIMIZE=bool(maximize),
-            BLOCK_SIZE=BLOCK, N_ITERS=ITERS, **LAUNCH_OPTIONS,
-        )
-    return 1
+        for (chunk_tensor, chunk_start), full in launches:
+            fused_adam_kernel[(chunk_tensor.numel(),)](
+                table, numels, c, chunk_tensor, chunk_start, gs, fi,
+                one_minus_beta1, float(beta2), one_minus_beta2, float(eps), float(weight_decay),
+                GRAD_DTYPE=_TL_DTYPE[grads[0].dtype],
+                P16_KIND=_P16_KIND[params16[0].dtype if params16 is not None else None],
+                HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+                ADAMW=bool(adamw), AMSGRAD=max_sqs is not None, MAXIMIZE=bool(maximize),
+                BLOCK_SIZE=BLOCK, N_ITERS=ITERS, FULL=full, **LAUNCH_OPTIONS,
+            )
+    return len(launches)
+
+
+def aligned_tensors(rows: list[int]) -> tuple[bool, ...]:
+    """Per tensor of a group's pointer rows (6 columns, 0 = absent): are all its addresses 16-byte aligned? The
+    kernel's own test, on the host (SPLIT_FULL)."""
+    return tuple(((a | g | m | v | x | p) & 15) == 0
+                 for a, g, m, v, x, p in zip(*(rows[k::6] for k in range(6))))
 
 
 # Launch counter for tests: "a 100-parameter model launches a handful of kernels".
@@ -417,7 +441,11 @@ def _codegen_cases() -> list:
                 opts = dict(LAUNCH_OPTIONS, streaming=True,
                             min_wide_loads=(3 + ams) * words(4) + words(g_bytes),
                             min_wide_stores=(3 + ams) * words(4))
-                cases.append((fused_adam_kernel, dict(table_sig, **scalars), dict(ce, GRAD_DTYPE=grad), desc, opts))
+                cases.append((fused_adam_kernel, dict(table_sig, **scalars), dict(ce, GRAD_DTYPE=grad, FULL=False),
+                              desc, opts))
+                if adamw:   # the FULL launch of SPLIT_FULL: the 128-bit path alone, no alignment test
+                    cases.append((fused_adam_kernel, dict(table_sig, **scalars), dict(ce, GRAD_DTYPE=grad, FULL=True),
+                                  f"full {desc}", dict(opts, host_aligned=True, max_regs=64)))
                 if adamw:   # the per-tensor kernel of the traced op: its tensors' dtypes are its signature
                     tensors = dict(master_ptr="*fp32", grad_ptr=f"*{names[grad]}", m_ptr="*fp32", v_ptr="*fp32",
                                    vmax_ptr="*fp32", p16_ptr=f"*{['fp32', 'bf16', 'fp16'][p16]}")

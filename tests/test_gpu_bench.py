@@ -55,18 +55,22 @@ def test_stream_ceiling_kernel_moves_the_adam_mix(mixed):
 def test_coded_tune_variants_parse_and_set_the_kernel_module():
     """bench/gpu_coded_tune.py's variants (run only on a GPU) name the launch shapes they set."""
     tune = _bench_module("gpu_coded_tune")
+    from zero_kernels.kernels import adam as A
     from zero_kernels.kernels import adam_coded as AC
-    assert tune.parse_variant("4x1024x4r80", None) == (4, 1024, 4, None, 80, True, False)
-    assert tune.parse_variant("4x1024x4r80n", None) == (4, 1024, 4, None, 80, False, False)
-    assert tune.parse_variant("8x2048x2p", None) == (8, 2048, 2, None, 0, True, True)
+    assert tune.parse_variant("4x1024x4r80", None) == (4, 1024, 4, None, 80, True, False, False)
+    assert tune.parse_variant("4x1024x4r80n", None) == (4, 1024, 4, None, 80, False, False, False)
+    assert tune.parse_variant("8x2048x2p", None) == (8, 2048, 2, None, 0, True, True, False)
+    assert tune.parse_variant("4x1024x4s", None) == (4, 1024, 4, None, 0, True, False, True)
     for v in tune.DEFAULT_VARIANTS.split(","):
         tune.parse_variant(v, None)
     before = (AC.BLOCK, AC.ITERS, AC.CHUNK, AC.LAUNCH_OPTIONS, AC.Q8_MAXNREG, AC.SPLIT_FULL, AC.PIPELINE_FULL,
-              AC.fused_adam_coded_kernel)
+              AC.fused_adam_coded_kernel, A.SPLIT_FULL)
     try:
         tune.set_variant(*tune.parse_variant("8x2048x2r72p", None))
         assert (AC.BLOCK, AC.ITERS, AC.CHUNK, AC.LAUNCH_OPTIONS["num_warps"], AC.Q8_MAXNREG, AC.SPLIT_FULL,
-                AC.PIPELINE_FULL) == (2048, 2, 4096, 8, 72, True, True)
+                AC.PIPELINE_FULL, A.SPLIT_FULL) == (2048, 2, 4096, 8, 72, True, True, False)
+        tune.set_variant(*tune.parse_variant("4x1024x4s", None))
+        assert A.SPLIT_FULL and not AC.PIPELINE_FULL
     finally:
         (AC.BLOCK, AC.ITERS, AC.CHUNK, AC.LAUNCH_OPTIONS, AC.Q8_MAXNREG, AC.SPLIT_FULL, AC.PIPELINE_FULL,
-         AC.fused_adam_coded_kernel) = before
+         AC.fused_adam_coded_kernel, A.SPLIT_FULL) = before

@@ -7,7 +7,8 @@
 #   NCU=1 bash tools/gpu_session.sh          # then Nsight Compute on one launch of the step kernels (llama7b-layer)
 #   TUNE=1 bash tools/gpu_session.sh         # then bench/gpu_coded_tune.py (${TUNE_ARGS}): the coded kernel's
 #                                             # launch variants, e.g. the full-chunk launch against one launch
-#                                             # ("n") and against its pipelined form ("p")
+#                                             # ("n") and against its pipelined form ("p"); the fp32-state
+#                                             # kernel's full-chunk launch against one launch ("s")
 #   BASE=gpu_base BASE_ARGS="--modes 8bit --candidates triton" bash tools/gpu_session.sh
 #                                             # then the same benchmark against a baseline copy of the package
 #                                             # (a folder holding zero_kernels/ with kernels/ and csrc/ inside,
@@ -98,7 +99,13 @@ fi
 if [ -n "${TUNE:-}" ]; then
   t0=$SECONDS
   { echo "=== bench/gpu_coded_tune.py ${TUNE_ARGS:-}"
-    timeout "$(left 5)" python3 bench/gpu_coded_tune.py ${TUNE_ARGS:-}; } > "$OUT/tune.tmp" 2>&1
+    timeout "$(left 5)" python3 bench/gpu_coded_tune.py ${TUNE_ARGS:-}
+    # the fp32-state kernel's full-chunk launch (kernels/adam.py SPLIT_FULL, variant suffix "s"), both workloads
+    for w in llama7b-layer gpt2-xl; do
+      echo "=== bench/gpu_coded_tune.py --workload $w --modes fp32,bf16-master --variants 4x1024x4,4x1024x4s"
+      timeout "$(left 4)" python3 bench/gpu_coded_tune.py --workload "$w" --modes fp32,bf16-master \
+        --variants 4x1024x4,4x1024x4s
+    done; } > "$OUT/tune.tmp" 2>&1
   echo "tune rc=$? in $((SECONDS - t0)) s"; grep -E "^\||FAILED" "$OUT/tune.tmp" | cut -c1-200
   cat "$OUT/tune.tmp" >> "$OUT/bench.log"; rm -f "$OUT/tune.tmp"
 fi

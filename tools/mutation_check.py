@@ -64,6 +64,8 @@ SUITES = {
     "flatten_cpu": ["tests/test_cpu_kernel.py", "-k", "flatten"],
     # the coded-state Triton kernel (interpreted) against codecs.adam_step_coded, bit for bit
     "coded": ["tests/test_adam_coded.py", "-x", "-W", "ignore::RuntimeWarning"],
+    # the Triton Adam kernel's pointer-table paths on misaligned views, one launch and SPLIT_FULL's two
+    "triton_align": ["tests/test_alignment_paths.py", "-x"],
     # the C++ coded-state CPU kernel against codecs.adam_step_coded, bit for bit (every SIMD path)
     "cpu_coded": ["tests/test_cpu_coded.py", "-x"],
     # the per-tensor Triton kernel behind torch.ops.zero_kernels.fused_adam_triton (the traced step)
@@ -264,6 +266,11 @@ FAULTS = [
      "a tensor whose gradient is misaligned sent to the FULL launch"),
     ("cod.pipeline_rows_of_next_tile", KCA, "cur_offs, None, cur_rows,", "cur_offs, None, rows,", "coded",
      "the pipelined FULL launch stores tile i's block scales at tile i + 1's rows"),
+    ("ad.rest_launch_full", K, "launches = ((full, True), (rest, False))", "launches = ((full, True), (rest, True))",
+     "triton_align", "SPLIT_FULL: the rest chunks (tails, misaligned tensors) launched on the 128-bit-only kernel"),
+    ("ad.full_ignores_p16_alignment", K, "return tuple(((a | g | m | v | x | p) & 15) == 0",
+     "return tuple(((a | g | m | v | x) & 15) == 0", "triton_align",
+     "SPLIT_FULL: a tensor whose bf16 copy is misaligned sent to the FULL launch"),
     ("cod.sr_key_streams_swapped", KCA, "m_key, v_key = sr_key(seed, count, 0), sr_key(seed, count, 1)",
      "m_key, v_key = sr_key(seed, count, 1), sr_key(seed, count, 0)", "coded",
      "the SR keys of exp_avg and exp_avg_sq swapped (kernel-side key derivation)"),
