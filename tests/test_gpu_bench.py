@@ -74,3 +74,35 @@ def test_coded_tune_variants_parse_and_set_the_kernel_module():
     finally:
         (AC.BLOCK, AC.ITERS, AC.CHUNK, AC.LAUNCH_OPTIONS, AC.Q8_MAXNREG, AC.SPLIT_FULL, AC.PIPELINE_FULL,
          AC.fused_adam_coded_kernel, A.SPLIT_FULL) = before
+
+
+@pytest.mark.parametrize("mode", ["8bit+rem", "fp32"])
+def test_coded_tune_variants_compute_the_same_bits(mode):
+    """What bench/gpu_coded_tune.py checks on the GPU before it times anything, here on CPU tensors in the
+    interpreter over small shapes (whole chunks, a tail, a tensor below one block): every default variant
+    (the split, one launch, the pipelined FULL launch over 4 and 8 tiles) and the fp32-state kernel's split
+    give the first variant's bits after a step."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernels interpreted (TRITON_INTERPRET=1, as the suite sets)")
+    tune = _bench_module("gpu_coded_tune")
+    from zero_kernels.kernels import adam as A
+    from zero_kernels.kernels import adam_coded as AC
+    before = (AC.BLOCK, AC.ITERS, AC.CHUNK, AC.LAUNCH_OPTIONS, AC.Q8_MAXNREG, AC.SPLIT_FULL, AC.PIPELINE_FULL,
+              AC.fused_adam_coded_kernel, A.SPLIT_FULL)
+    names = tune.DEFAULT_VARIANTS.split(",") if mode != "fp32" else ["4x1024x4", "4x1024x4s"]
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        want = None
+        for name in names:
+            tune.set_variant(*tune.parse_variant(name, None))
+            ps, opt = tune.build([(2 * 8192 + 5,), (300,), (3, 1024)], mode, seed=3, device="cpu")
+            opt.step()
+            got = tune.snapshot(ps, opt)
+            if want is None:
+                want = got
+                assert not torch.equal(ps[0].detach(), tune.build([(2 * 8192 + 5,)], mode, seed=3, device="cpu")[0][0])
+            assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want)), name
+    finally:
+        sys.path.pop(0)
+        (AC.BLOCK, AC.ITERS, AC.CHUNK, AC.LAUNCH_OPTIONS, AC.Q8_MAXNREG, AC.SPLIT_FULL, AC.PIPELINE_FULL,
+         AC.fused_adam_coded_kernel, A.SPLIT_FULL) = before
