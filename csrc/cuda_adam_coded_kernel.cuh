@@ -25,20 +25,21 @@
 // fp32 scale per blockwise moment (one broadcast address for the warp). A partial last block, or a
 // tensor at an unaligned address, takes element-wise accesses of the same registers (invalid lanes
 // read 0 and stay out of the absmax).
-// 8-bit moments ([Note: state codecs] 2) are arithmetic codes: per quantization block every lane
-// computes the block's two scalars from the one reduced scale (redundantly: two IEEE divisions per
-// lane, no shuffle, no shared memory), then per element one multiply and one rounding conversion:
+// 8-bit moments ([Note: state codecs] 2) are arithmetic codes, with no table: per quantization block
+// every lane derives its scalars from the one reduced scale (redundantly: no shuffle, no shared memory),
+// then per element a few operations:
 //   exp_avg:    decode m = float(int8 code) * (scale / 127);
-//               encode code = cvt.rni.s32 (round half even) of m * (127 / scale)    (|code| <= 127)
-//   exp_avg_sq: decode d = float(code) * (scale / 255), v = (d * d) * (d * d);
-//               encode code = cvt.rni.s32 of r * (255 / scale), raised to 1 where r > 0, with
-//               r = sqrt(s) and s = sqrt(v) the square root adam_update took for the denominator (so a
-//               uint8 exp_avg_sq keeps r, not v, in its registers after the update).
-// The inverse 127 / scale (255 / scale) is replaced by 0 unless finite: a block of zeros, a scale so
-// tiny that the inverse overflows, or an inf / NaN block (its scale NaN, stored as the canonical NaN
-// 0x7FC00000; then its codes are 0 and it decodes to NaN everywhere, as the fp32 state would be
-// poisoned). With a finite inverse every |x| <= scale gives |x * inv| <= levels + a few ulps, so the
-// rounding to nearest stays within the code range.
+//               encode code = cvt.rni.s32 (round half even) of m * (127 / scale)    (|code| <= 127);
+//               the inverse 127 / scale is replaced by 0 unless finite (a block of zeros, a scale so tiny
+//               that the inverse overflows): with a finite inverse every |m| <= scale gives |m * inv| <=
+//               127 + a few ulps, so the rounding stays within the code range.
+//   exp_avg_sq: a log code of s = sqrt(v) on its bits, s the square root adam_update took for the
+//               denominator (so a uint8 exp_avg_sq keeps s, not v, in its registers after the update):
+//               encode code = max(int32(bits(s) - bits(scale) + 255 * 2^19 + 2^18) >> 19, 1), 0 where
+//               s == 0 (the scale = the block's max s); decode s' = bits((code << 19) + bits(scale) -
+//               255 * 2^19) (0 for code 0), v = s' * s'.
+// An inf / NaN block has the scale NaN, stored as the canonical NaN 0x7FC00000; then its codes are 0 and
+// it decodes to NaN everywhere, as the fp32 state would be poisoned.
 // Numerics. Every codec is integer work on the bits plus IEEE fp32 operations (the inline-PTX helpers
 // of cuda_adam_kernel.cuh: div.rn, add.rn, mul.rn, sqrt.rn; the float <-> int conversions are exact or
 // the rounding the codec names), so the result is the reference's, bit for bit.
