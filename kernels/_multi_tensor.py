@@ -69,7 +69,9 @@ runs the kernels with fp32 scalar arguments.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections import OrderedDict
+from functools import reduce
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
@@ -244,6 +246,28 @@ def split_launch_tables(rows: Sequence[int], numels: Sequence[int],
         ("split_launch", chunk, rows, numels), device, build,
         (torch.int64, torch.int64, torch.int32, torch.int64, torch.int32, torch.int64))[0]
     return table, numels_t, (full_t, full_s), (rest_t, rest_s)
+
+
+def launch_tables(rows: Sequence[int], numels: Sequence[int], chunk: int, device: torch.device,
+                  aligned: Callable[[Sequence[int]], Sequence[bool]] | None = None
+                  ) -> tuple[Tensor, Tensor, list[tuple[tuple[Tensor, Tensor], bool]]]:
+    """(pointer table, numels, launches) of one group: each launch ((chunk_tensor, chunk_start), full), those
+    without chunks left out. With ``aligned`` (the kernel's alignment test per tensor, ``aligned_columns``) the
+    full chunks and the rest in two launches ([Note: full and rest launches]), else every chunk in one."""
+    if aligned is not None:
+        table, numels_t, full, rest = split_launch_tables(rows, numels, aligned, chunk, device)
+        launches = ((full, True), (rest, False))
+    else:
+        table = pointer_table(rows, device)
+        numels_t, *rest = chunk_map(tuple(numels), chunk, device)
+        launches = ((tuple(rest), False),)
+    return table, numels_t, [(chunks, full) for chunks, full in launches if chunks[0].numel()]
+
+
+def aligned_columns(rows: Sequence[int], width: int, columns: Sequence[int]) -> tuple[bool, ...]:
+    """Per tensor of pointer rows ``width`` wide: are its addresses in ``columns`` (0 = absent) all 16-byte
+    aligned? A kernel's own test of the 128-bit path, on the host."""
+    return tuple((reduce(operator.or_, (rows[t + c] for c in columns)) & 15) == 0 for t in range(0, len(rows), width))
 
 
 def pointer_table(rows: Sequence[int], device: torch.device) -> Tensor:

@@ -26,8 +26,8 @@ from torch import Tensor
 from torch.library import wrap_triton
 
 from ..reference import moment_coeffs
-from ._multi_tensor import (block_offsets, chunk_map, device_guard, pointer_table, program_chunk, round_bf16_bits,
-                            scalar_offsets, split_launch_tables, typed_pointer, upload)
+from ._multi_tensor import (aligned_columns, block_offsets, device_guard, launch_tables, program_chunk,
+                            round_bf16_bits, scalar_offsets, typed_pointer, upload)
 
 # Elements per program: BLOCK per iteration x ITERS iterations. Large chunks keep the grid small
 # (and the interpreter fast). BLOCK=1024 with 8 warps gives each thread 4 elements per iteration:
@@ -43,9 +43,9 @@ CHUNK = BLOCK * ITERS
 # [Note: interpreter bits are GPU bits] in _multi_tensor.py.
 LAUNCH_OPTIONS = dict(num_warps=8, enable_fp_fusion=False)
 # Full chunks (inside their tensor, all six addresses 16-byte aligned) in a launch of their own, FULL=True
-# ([Note: full and rest launches] in _multi_tensor.py): the kernel with the 128-bit path alone takes 50-53
-# registers per thread instead of 80 (amsgrad 58-61 instead of 106-108; sm_90, triton 3.9, ptxas -v), 4
-# programs of 8 warps per SM instead of 3 (amsgrad 4 instead of 2). The step already runs at 75-84% of the
+# ([Note: full and rest launches] in _multi_tensor.py): the kernel with the 128-bit path alone takes 48-52
+# registers per thread instead of 74-80 (amsgrad 57-64 instead of 96-106; sm_80 / sm_90, triton 3.9, ptxas -v),
+# 4 programs of 8 warps per SM instead of 3 (amsgrad 4 instead of 2). The step already runs at 75-84% of the
 # streaming ceiling (H200): not yet timed, so off (bench/gpu_coded_tune.py --modes fp32,bf16-master, variant
 # suffix "s" turns it on for an A/B). False: one launch of every chunk.
 SPLIT_FULL = False
@@ -291,15 +291,8 @@ def _launch_group(masters, grads, exp_avgs, exp_avg_sqs, max_sqs, params16, coef
     ptrs = [x for row in zip([t.data_ptr() for t in masters], [t.data_ptr() for t in grads],
                              [t.data_ptr() for t in exp_avgs], [t.data_ptr() for t in exp_avg_sqs],
                              vmax_ptrs, p16_ptrs) for x in row]
-    sizes = tuple([t.numel() for t in masters])
-    if SPLIT_FULL:
-        table, numels, full, rest = split_launch_tables(ptrs, sizes, aligned_tensors, CHUNK, device)
-        launches = ((full, True), (rest, False))
-    else:
-        table = pointer_table(ptrs, device)
-        numels, *rest = chunk_map(sizes, CHUNK, device)
-        launches = ((rest, False),)
-    launches = [(chunks, full) for chunks, full in launches if chunks[0].numel()]
+    table, numels, launches = launch_tables(ptrs, [t.numel() for t in masters], CHUNK, device,
+                                            aligned_tensors if SPLIT_FULL else None)
     if not launches:
         return 0
     c = coeffs if coeffs.dtype == torch.float32 and coeffs.device == device else coeffs.to(device, torch.float32)
@@ -323,10 +316,9 @@ def _launch_group(masters, grads, exp_avgs, exp_avg_sqs, max_sqs, params16, coef
 
 
 def aligned_tensors(rows: list[int]) -> tuple[bool, ...]:
-    """Per tensor of a group's pointer rows (6 columns, 0 = absent): are all its addresses 16-byte aligned? The
-    kernel's own test, on the host (SPLIT_FULL)."""
-    return tuple(((a | g | m | v | x | p) & 15) == 0
-                 for a, g, m, v, x, p in zip(*(rows[k::6] for k in range(6))))
+    """Per tensor of a group's pointer rows: are all six addresses 16-byte aligned? The kernel's own test, on
+    the host (SPLIT_FULL)."""
+    return aligned_columns(rows, 6, (_MASTER, _GRAD, _EXP_AVG, _EXP_AVG_SQ, _MAX_SQ, _P16))
 
 
 # Launch counter for tests: "a 100-parameter model launches a handful of kernels".
@@ -443,10 +435,11 @@ def _codegen_cases() -> list:
                             min_wide_stores=(3 + ams) * words(4))
                 cases.append((fused_adam_kernel, dict(table_sig, **scalars), dict(ce, GRAD_DTYPE=grad, FULL=False),
                               desc, opts))
-                if adamw:   # the FULL launch of SPLIT_FULL: the 128-bit path alone, no alignment test
+                if adamw:
+                    # the FULL launch of SPLIT_FULL: the 128-bit path alone, no alignment test
                     cases.append((fused_adam_kernel, dict(table_sig, **scalars), dict(ce, GRAD_DTYPE=grad, FULL=True),
                                   f"full {desc}", dict(opts, host_aligned=True, max_regs=64)))
-                if adamw:   # the per-tensor kernel of the traced op: its tensors' dtypes are its signature
+                    # the per-tensor kernel of the traced op: its tensors' dtypes are its signature
                     tensors = dict(master_ptr="*fp32", grad_ptr=f"*{names[grad]}", m_ptr="*fp32", v_ptr="*fp32",
                                    vmax_ptr="*fp32", p16_ptr=f"*{['fp32', 'bf16', 'fp16'][p16]}")
                     cases.append((fused_adam_tensor_kernel, dict(tensors, row="i32", numel="i32", **scalars),

@@ -48,8 +48,7 @@ from ..reference import moment_coeffs
 from ._codecs import (F8_MAX, QBLOCK, ROWS_AXIS, block_absmax, decode_bf16, decode_f8, decode_m8, decode_v8,
                       encode_bf16_sr, encode_f8, encode_m8, encode_v8, join_remainder, ld, per_row, scaled,
                       split_remainder, sr_key, st)
-from ._multi_tensor import (chunk_map, device_guard, pointer_table, program_chunk, round_bf16_bits, split_launch_tables,
-                            typed_pointer)
+from ._multi_tensor import aligned_columns, device_guard, launch_tables, program_chunk, round_bf16_bits, typed_pointer
 from .adam import adam_update
 
 BLOCK = 1024
@@ -181,7 +180,7 @@ def _tile_load(row, offs, mask, rows, numel, GRAD_DTYPE: tl.constexpr, MASTER_KI
                M_KIND: tl.constexpr, V_KIND: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
                DECODE: tl.constexpr):
     """Every load of one tile of one tensor (table row ``row``): (master or bf16 parameter bits, int16
-    remainder, grad, exp_avg, its scales, exp_avg_sq, its scales) as stored, which _tile_decode decodes; or,
+    remainder, grad, exp_avg, its scales, exp_avg_sq, its scales) as stored, which _tile_step decodes; or,
     DECODE, each decoded right after its load (then p, g, m, v are fp32 and the other fields repeat them).
     Undecoded for the pipelined FULL launch, which issues a tile's loads before the previous tile's arithmetic
     ([Note: full and rest launches] in _multi_tensor.py); decoded in place elsewhere, the instruction order the
@@ -280,6 +279,12 @@ def _tile_offsets(block_start, ROWS: tl.constexpr, VEC: tl.constexpr, HINTED: tl
 
 
 @triton.jit
+def _tile_rows(block_start, ROWS: tl.constexpr):
+    """The quantization blocks [ROWS] (int64, counted from the tensor's element 0) of the tile at block_start."""
+    return block_start // QBLOCK + tl.arange(0, ROWS).to(tl.int64)
+
+
+@triton.jit
 def fused_adam_coded_kernel(
     ptr_table,        # int64 [T, 7]: data_ptr of master (fp32 master / fp32 param / int16 remainder), grad, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, param16 (0 = absent)
     numels,           # int64 [T]: elements in tensor t
@@ -325,14 +330,14 @@ def fused_adam_coded_kernel(
         # Unrolled; the loads of tile i + 1 are in flight during tile i's arithmetic and stores (distinct
         # addresses: other elements and blocks of the same tensor). Registers: those loads, live across a tile.
         offs = _tile_offsets(start, ROWS, VEC, True)
-        rows = start // QBLOCK + tl.arange(0, ROWS).to(tl.int64)
+        rows = _tile_rows(start, ROWS)
         nxt = _tile_load(row, offs, None, rows, numel, GRAD_DTYPE, MASTER_KIND, M_KIND, V_KIND, False, True, False)
         for i in tl.static_range(N_ITERS):
             a, b, g, m, ms, v, vs = nxt
             cur_offs, cur_rows = offs, rows
             if i + 1 < N_ITERS:
                 offs = _tile_offsets(start + (i + 1) * BLOCK_SIZE, ROWS, VEC, True)
-                rows = (start + (i + 1) * BLOCK_SIZE) // QBLOCK + tl.arange(0, ROWS).to(tl.int64)
+                rows = _tile_rows(start + (i + 1) * BLOCK_SIZE, ROWS)
                 nxt = _tile_load(row, offs, None, rows, numel, GRAD_DTYPE, MASTER_KIND, M_KIND, V_KIND, False,
                                  True, False)
             _tile_step(row, a, b, g, m, ms, v, vs, cur_offs, None, cur_rows, numel, step_size, bc2_sqrt, decay,
@@ -342,7 +347,7 @@ def fused_adam_coded_kernel(
         return
     for i in range(N_ITERS):
         block_start = start + i * BLOCK_SIZE
-        rows = block_start // QBLOCK + tl.arange(0, ROWS).to(tl.int64)
+        rows = _tile_rows(block_start, ROWS)
         args = (rows, numel, step_size, bc2_sqrt, decay, grad_scale, m_key, v_key, index_offset,
                 one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay)
         if FULL:
@@ -418,28 +423,18 @@ def adam_step_coded_triton(params: list[Tensor], grads: list[Tensor], states: li
 def aligned_tensors(rows: list[int]) -> tuple[bool, ...]:
     """Per tensor of a group's pointer rows: are the addresses the kernel reads and writes by vectors (master,
     grad, exp_avg, exp_avg_sq, param16; 0 = absent) 16-byte aligned? The kernel's own test, on the host."""
-    c = _COLS
-    return tuple(((a | g | m | v | p) & 15) == 0
-                 for a, g, m, v, p in zip(rows[0::c], rows[1::c], rows[2::c], rows[3::c], rows[6::c]))
+    return aligned_columns(rows, _COLS, (0, 1, 2, 3, 6))
 
 
 def _launch(key: tuple, rows: list[int], numels: list[int], c: Tensor, k: Tensor, device: torch.device, *,
             beta1, beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf) -> None:
     """The group's chunks in two launches (full ones with FULL=True, the rest) or, without SPLIT_FULL, one."""
     grad_dtype, p16_dtype, master_kind, m_dtype, v_dtype = key
-    if SPLIT_FULL:
-        table, numels_t, full, rest = split_launch_tables(rows, numels, aligned_tensors, CHUNK, device)
-        launches = ((full, True), (rest, False))
-    else:
-        table = pointer_table(rows, device)
-        numels_t, *rest = chunk_map(tuple(numels), CHUNK, device)
-        launches = ((rest, False),)
+    table, numels_t, launches = launch_tables(rows, numels, CHUNK, device, aligned_tensors if SPLIT_FULL else None)
     gs = grad_scale.to(device, torch.float32) if grad_scale is not None else c
     fi = found_inf.to(device, torch.float32) if found_inf is not None else c
     one_minus_beta1, one_minus_beta2 = moment_coeffs(beta1, beta2)
     for (chunk_tensor, chunk_start), full in launches:
-        if chunk_tensor.numel() == 0:
-            continue
         with device_guard(device):
             fused_adam_coded_kernel[(chunk_tensor.numel(),)](
                 table, numels_t, c, k, chunk_tensor, chunk_start, gs, fi,
