@@ -397,6 +397,68 @@ def test_closure_zero_grad_scheduler_and_add_param_group(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_param_groups_given_as_generators(backend):
+    """``{"params": layer.parameters()}`` (a generator, read once) trains every parameter as torch does; the
+    coded formats take the same groups (their bits equal to the same groups given as lists). Before the fix
+    the groups were stored empty and step() did nothing."""
+    def net():
+        torch.manual_seed(3)
+        return torch.nn.Sequential(torch.nn.Linear(9, 300), torch.nn.Tanh(), torch.nn.Linear(300, 5))
+
+    def groups(m, as_list):
+        get = (lambda x: list(x)) if as_list else (lambda x: x)
+        return [{"params": get(m[0].parameters())}, {"params": get(m[2].parameters()), "lr": 3e-3}]
+
+    def train(m, o):
+        for s in range(3):
+            torch.manual_seed(40 + s)
+            o.zero_grad()
+            m(torch.randn(6, 9)).pow(2).mean().backward()
+            o.step()
+
+    mz, mt = net(), net()
+    start = [p.detach().clone() for p in mz.parameters()]
+    oz, ot = zk.FusedAdamW(groups(mz, False), lr=1e-2, backend=backend), torch.optim.AdamW(groups(mt, False), lr=1e-2)
+    assert [len(g["params"]) for g in oz.param_groups] == [2, 2]
+    train(mz, oz)
+    train(mt, ot)
+    for p, q, p0 in zip(mz.parameters(), mt.parameters(), start):
+        assert not torch.equal(p, p0)
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    coded = dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.bfloat16, min_8bit_size=0, backend=backend)
+    runs = []
+    for as_list in (False, True):
+        m = net()
+        train(m, zk.FusedAdamW(groups(m, as_list), lr=1e-2, **coded))
+        runs.append(list(m.parameters()))
+    for p, q, p0 in zip(*runs, start):
+        assert not torch.equal(p, p0) and torch.equal(p, q)
+
+
+def test_optimizer_wide_arguments_refused_in_param_groups():
+    """State formats, master weights and the backend hold for the whole optimizer: a group naming one (at
+    construction, by add_param_group, or set on a group later) raises, naming it, before anything changes."""
+    m = torch.nn.Linear(4, 3)
+    with pytest.raises(ValueError, match=r"param_groups\[1\] sets 'exp_avg_dtype'.*own optimizer"):
+        zk.FusedAdamW([{"params": [m.weight]}, {"params": [m.bias], "exp_avg_dtype": torch.uint8}])
+    o = zk.FusedAdamW([m.weight], backend="reference")
+    with pytest.raises(ValueError, match=r"param_groups\[1\] sets 'backend'"):
+        o.add_param_group({"params": [m.bias], "backend": "cpu"})
+    assert len(o.param_groups) == 1
+    m(torch.randn(2, 4)).sum().backward()
+    o.step()
+    before, state = m.weight.detach().clone(), {k: v.clone() for k, v in o.state[m.weight].items()}
+    o.param_groups[0]["store_param_remainders"] = True
+    with pytest.raises(ValueError, match=r"param_groups\[0\] sets 'store_param_remainders'"):
+        o.step()
+    assert torch.equal(m.weight, before)
+    assert all(torch.equal(v, o.state[m.weight][k]) for k, v in state.items())
+    del o.param_groups[0]["store_param_remainders"]
+    o.step()                                                  # the control: the same step runs without the key
+    assert not torch.equal(m.weight, before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_tensor_lr_and_capturable(backend):
     p, q = make_params(9, shapes=[(77,)]), make_params(9, shapes=[(77,)])
     oz = zk.FusedAdamW(p, lr=torch.tensor(1e-2), capturable=True, backend=backend)

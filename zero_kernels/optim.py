@@ -17,7 +17,7 @@ from . import backends, codecs, optim_coded
 from ._launch_plan import GroupPlan, Launch, is_low_precision, local, packed_steps, signature, state_error
 from ._traced_step import TracedStep
 from .codecs import BLOCK
-from .optim_checks import check_grads, check_scalars
+from .optim_checks import check_grads, check_group_keys, check_scalars
 from .hparams import check_param_format, scalar_lr, validate_hparams as _validate_hparams, validate_state_format
 from .reference import compute_coeffs
 
@@ -118,7 +118,14 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's checks (duplicates across groups, ...) plus ours, before anything is stored."""
         params = param_group["params"]
-        params = [params] if isinstance(params, Tensor) else list(params)
+        if isinstance(params, Tensor):
+            params = [params]
+        elif not isinstance(params, set):   # torch refuses a set (unordered) itself, below
+            params = list(params)
+        # Stored as read: a generator (``{"params": layer.parameters()}``) can be read once only, and
+        # torch's add_param_group would otherwise find it empty and keep a group of no parameters.
+        param_group["params"] = params
+        check_group_keys(len(self.param_groups), param_group)
         for i, p in enumerate(params):
             t = p[1] if isinstance(p, tuple) else p
             if not isinstance(t, Tensor):

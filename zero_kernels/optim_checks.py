@@ -11,8 +11,26 @@ from torch import Tensor
 _FP32_MAX = torch.finfo(torch.float32).max
 
 
+# Constructor arguments that hold for the whole optimizer (its state formats, master weights, backend): a
+# param group naming one would be ignored without a word, so it is refused.
+OPTIMIZER_WIDE = ("exp_avg_dtype", "exp_avg_sq_dtype", "store_param_remainders", "min_8bit_size",
+                  "master_weights", "backend")
+
+
+def check_group_keys(gi: int, group: dict[str, Any]) -> None:
+    """ValueError naming the key when param group ``gi`` sets an optimizer-wide argument."""
+    wide = [k for k in OPTIMIZER_WIDE if k in group]
+    if wide:
+        raise ValueError(f"param_groups[{gi}] sets {wide[0]!r}, which holds for the whole optimizer, not per "
+                         f"group (state formats, master weights and backend: {list(OPTIMIZER_WIDE)}); pass it "
+                         "to the constructor, and give parameters that need other settings their own "
+                         "optimizer")
+
+
 def check_scalars(gi: int, group: dict[str, Any]) -> None:
-    """Hyper-parameters the kernels take as fp32 must fit in fp32 (torch.optim.AdamW raises too)."""
+    """Hyper-parameters the kernels take as fp32 must fit in fp32 (torch.optim.AdamW raises too); no
+    optimizer-wide argument set on the group since (check_group_keys)."""
+    check_group_keys(gi, group)
     for k in ("lr", "eps", "weight_decay"):
         v = group[k]
         if not isinstance(v, Tensor) and abs(float(v)) > _FP32_MAX:
