@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from . import backends, codecs, optim_coded
+from . import _param_edits, backends, codecs, optim_coded
 from ._launch_plan import GroupPlan, Launch, is_low_precision, local, packed_steps, signature, state_error
 from ._traced_step import TracedStep
 from .codecs import BLOCK
@@ -106,6 +106,7 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         self._plans: dict[int, GroupPlan] = {}   # per group index: [Note: launch plans]
         self._epoch = 0
         self._state_dicts: list[dict] = []
+        self._watch = _param_edits.NOTHING   # [Note: parameters edited outside the optimizer]
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=False, fused=fused,
@@ -169,6 +170,7 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         self._plans: dict[int, GroupPlan] = {}
         self._epoch = 0
         self._state_dicts: list[dict] = []
+        self._watch = _param_edits.NOTHING
         self._step_supports_amp_scaling = True
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
@@ -242,6 +244,8 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
             why = state_error(where, k, state[k], p) if k in state else None
             if why is not None:
                 raise RuntimeError(f"{why}. No parameter was updated.")
+        if not master and "master_param" in state and p.dtype == torch.float32:
+            self._adopt_master_after_cast(p, state)
         if master and "master_param" not in state:
             # From the 16-bit values: also right after loading a torch.optim state_dict.
             state["master_param"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format).clone()
@@ -250,6 +254,31 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
             if k in state and (state[k].dtype != want or not local(state[k]).is_contiguous()):
                 state[k] = state[k].to(dtype=want, memory_format=torch.contiguous_format)
         return state
+
+    @staticmethod
+    @torch.no_grad()
+    def _adopt_master_after_cast(p: Tensor, state: dict[str, Any]) -> None:
+        """A 16-bit parameter cast to fp32 since its state was made (``model.float()``): it takes its master's
+        value wherever it still equals the master's 16-bit rounding (elsewhere it was written since: it is
+        kept), and the master is dropped (an fp32 parameter is its own master)."""
+        master, p32 = local(state.pop("master_param")), local(p)
+        keep = (master.to(torch.bfloat16).float() == p32) | (master.to(torch.float16).float() == p32)
+        p32.copy_(torch.where(keep, master, p32))
+
+    def refresh_fp32_params(self) -> None:
+        """Bring every master the optimizer keeps (fp32 ``master_param`` or bf16 ``master_remainder``) to its
+        16-bit parameter, element by element ([Note: parameters edited outside the optimizer] in
+        ``_param_edits.py``). Writes through torch (``model.load_state_dict``, ``torch.nn.init``, ``with
+        torch.no_grad(): p.mul_(mask)``) are adopted by the next step without this call; writes through
+        ``p.data`` bypass the version counter: call this after them (DeepSpeed's name for the same)."""
+        for p, st in self.state.items():
+            _param_edits.adopt(p, st)
+        self._watch = _param_edits.watch(self.state)
+
+    def _adopt_edits(self) -> None:
+        """Adopt the parameters written outside the optimizer since the last step (just before the launches)."""
+        for p in _param_edits.edited(self._watch):
+            _param_edits.adopt(p, self.state[p])
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -271,12 +300,15 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         found_inf = found_inf if found_inf is not None else getattr(self, "found_inf", None)
         if self._format.coded:
             self._step_coded(grad_scale, found_inf)
-            return loss
-        if torch.compiler.is_compiling():   # [Note: the traced step]
+        elif torch.compiler.is_compiling():   # [Note: the traced step]
             self._traced_step(grad_scale, found_inf)
             return loss
-        for group, grads, plan in self._prepare():
-            self._run_plan(group, plan, grads, grad_scale, found_inf)
+        else:
+            work = self._prepare()
+            self._adopt_edits()
+            for group, grads, plan in work:
+                self._run_plan(group, plan, grads, grad_scale, found_inf)
+        self._watch = _param_edits.watch(self.state)
         return loss
 
     def _prepare(self) -> list[tuple[dict[str, Any], list[Tensor | None], GroupPlan]]:
@@ -383,6 +415,7 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
                 if plan.cacheable:
                     self._plans[gi] = plan
             self._state_dicts = list(self.state.values())
+        self._adopt_edits()
         for gi in sorted(plans):
             for w in plans[gi].work:
                 optim_coded.step_coded(self._resolved.get(w.device) or self._resolve(w.device), w,

@@ -1,0 +1,154 @@
+"""[Note: parameters edited outside the optimizer] (zero_kernels/_param_edits.py): a 16-bit parameter written
+between steps (pruning, model.load_state_dict, p.data + refresh_fp32_params()) is what FusedAdamW continues
+from, as torch.optim.AdamW does, for fp32 masters and remainders, fp32 and coded moments, on every backend;
+unwritten elements keep their masters bit for bit (a checkpoint loaded model-after-optimizer resumes exactly).
+Before the fix an fp32 master silently undid the write, and remainders joined to a pruned (zeroed) parameter
+made NaN masters."""
+import copy
+
+import pytest
+import torch
+
+import zero_kernels as zk
+from conftest import BACKENDS
+
+BF = torch.bfloat16
+FORMATS = {
+    "fp32 master": {},
+    "remainders": dict(store_param_remainders=True),
+    "8-bit + fp32 master": dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8, min_8bit_size=0),
+    "bf16 moments + remainders": dict(exp_avg_dtype=BF, exp_avg_sq_dtype=BF, store_param_remainders=True),
+}
+HP = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.0)
+
+
+def net(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(24, 41), torch.nn.Tanh(), torch.nn.Linear(41, 3))
+
+
+def train(m, o, steps, seed):
+    """``steps`` steps on gradients drawn from ``seed`` (bf16-rounded, so a bf16 and an fp32 copy of a model get
+    the same values), whatever the model's dtype."""
+    for s in range(steps):
+        g = torch.Generator().manual_seed(seed * 100 + s)
+        for p in m.parameters():
+            p.grad = torch.randn(p.shape, generator=g).to(BF).to(p.dtype)
+        o.step()
+
+
+def prune(m, how):
+    """Zero every other element of the first weight through torch (``with torch.no_grad()``), or ``.data``."""
+    w = m[0].weight
+    mask = torch.arange(w.numel()).reshape(w.shape) % 2 == 0
+    if how == "torch":
+        with torch.no_grad():
+            w.mul_(mask.to(w.dtype))
+    else:
+        w.data.mul_(mask.to(w.dtype))
+    return mask
+
+
+def bf16_run(fmt, backend, how):
+    """bf16 model under FusedAdamW (fmt), pruned after 3 steps, 3 more steps; beside torch.optim.AdamW on an fp32
+    copy of the same model with the same gradients, pruned alike."""
+    m = net().to(BF)
+    t = copy.deepcopy(m).float()
+    o = zk.FusedAdamW(m.parameters(), backend=backend, **HP, **fmt)
+    ot = torch.optim.AdamW(t.parameters(), **HP)
+    train(m, o, 3, 1)
+    train(t, ot, 3, 1)
+    mask = prune(m, how)
+    prune(t, "torch")
+    if how == "data":
+        o.refresh_fp32_params()
+    train(m, o, 3, 2)
+    train(t, ot, 3, 2)
+    return m, t, o, mask
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS), ids=list(FORMATS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pruned_parameter_continues_from_the_pruned_values(fmt, backend):
+    m, t, _, mask = bf16_run(FORMATS[fmt], backend, "torch")
+    w, wt = m[0].weight.float(), t[0].weight
+    assert not torch.isnan(w).any()
+    lr_steps = 3 * HP["lr"]
+    # pruned elements restarted from 0: after 3 steps they are within 3 lr of it (they were ~0.1 before)
+    assert w[~mask].abs().max() <= lr_steps * 1.01
+    assert wt[~mask].abs().max() <= lr_steps * 1.01
+    # and follow torch's fp32 run: the bf16 parameter is the rounding of a master equal to torch's fp32 parameter
+    # (fp32 moments: one bf16 rounding apart; coded moments: their quantization error on top)
+    for p, q in zip(m.parameters(), t.parameters()):
+        if "8-bit" in fmt or "bf16 moments" in fmt:
+            torch.testing.assert_close(p.float(), q, rtol=0.05, atol=2e-3)
+        else:
+            torch.testing.assert_close(p.float(), q, rtol=2 ** -8, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["fp32 master", "remainders"])
+def test_data_writes_need_refresh_fp32_params(fmt):
+    """``p.data`` writes bypass the version counter: refresh_fp32_params() adopts them (the same result as the
+    write through torch); without it, the negative control, the master silently wins."""
+    m, _, _, mask = bf16_run(FORMATS[fmt], "cpu", "data")
+    ref, _, _, _ = bf16_run(FORMATS[fmt], "cpu", "torch")
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref.parameters()))
+    m2 = net().to(BF)
+    o2 = zk.FusedAdamW(m2.parameters(), backend="cpu", **HP, **FORMATS[fmt])
+    train(m2, o2, 3, 1)
+    prune(m2, "data")                                  # no refresh: not seen
+    train(m2, o2, 3, 2)
+    w = m2[0].weight.float()[~mask]
+    # the master won: pruned elements back near their old values (up to 0.2), or NaN (remainders joined to 0)
+    assert (w.isnan() | (w.abs() > 2 * 3 * HP["lr"])).any()
+
+
+@pytest.mark.parametrize("fmt", ["fp32 master", "remainders", "8-bit + fp32 master"])
+@pytest.mark.parametrize("model_first", [True, False], ids=["model-then-opt", "opt-then-model"])
+def test_checkpoint_loaded_in_either_order_resumes_bit_for_bit(fmt, model_first):
+    """model.load_state_dict bumps every parameter's version: the next step adopts, and since every master of a
+    consistent checkpoint rounds to its parameter, nothing changes: the resumed run equals the uninterrupted one."""
+    a = net().to(BF)
+    oa = zk.FusedAdamW(a.parameters(), backend="cpu", **HP, **FORMATS[fmt])
+    train(a, oa, 3, 1)
+    ckpt = copy.deepcopy((a.state_dict(), oa.state_dict()))
+    train(a, oa, 3, 2)
+    b = net(seed=9).to(BF)                             # other values: the loads must bring everything
+    ob = zk.FusedAdamW(b.parameters(), backend="cpu", **HP, **FORMATS[fmt])
+    train(b, ob, 2, 7)                                 # and states of its own, replaced by the load
+    if model_first:
+        b.load_state_dict(ckpt[0])
+        ob.load_state_dict(ckpt[1])
+    else:
+        ob.load_state_dict(ckpt[1])
+        b.load_state_dict(ckpt[0])
+    train(b, ob, 3, 2)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_model_cast_to_fp32_continues_from_its_masters():
+    """``model.float()`` after steps with fp32 masters: the fp32 parameters take their masters' values and train
+    on as fp32 parameters (the master dropped), like a model trained in fp32 from those masters."""
+    m = net().to(BF)
+    o = zk.FusedAdamW(m.parameters(), backend="cpu", **HP)
+    train(m, o, 3, 1)
+    masters = [o.state[p]["master_param"].clone() for p in m.parameters()]
+    m.float()
+    o.zero_grad()
+    for p, mp in zip(m.parameters(), masters):
+        with torch.no_grad():
+            assert torch.equal(p.to(BF), mp.to(BF))
+    r = copy.deepcopy(m)
+    with torch.no_grad():
+        for p, mp in zip(r.parameters(), masters):
+            p.copy_(mp)
+    orr = zk.FusedAdamW(r.parameters(), backend="cpu", **HP)
+    sd = copy.deepcopy(o.state_dict())                 # a copy: torch's load keeps the given tensors
+    orr.load_state_dict({**sd, "state": {i: {k: v for k, v in st.items() if k != "master_param"}
+                                         for i, st in sd["state"].items()}})
+    train(m, o, 2, 2)
+    train(r, orr, 2, 2)
+    assert all("master_param" not in o.state[p] for p in m.parameters())
+    for p, q in zip(m.parameters(), r.parameters()):
+        assert p.dtype == torch.float32 and torch.equal(p, q)

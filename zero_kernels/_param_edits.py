@@ -1,0 +1,65 @@
+"""Parameters written outside the optimizer while it keeps their master ([Note: parameters edited outside
+the optimizer]): found by their version counters, adopted element by element before the next update."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import codecs
+from ._launch_plan import local
+
+# [Note: parameters edited outside the optimizer]
+# A 16-bit parameter with master weights is the rounding of a master the optimizer keeps (``master_param``:
+# fp32; ``master_remainder``: the bf16 bits plus an int16 remainder) and the update starts from the master.
+# torch.optim.AdamW starts from the parameter, so a write to it between steps (``model.load_state_dict``,
+# ``torch.nn.init.*_``, pruning ``with torch.no_grad(): p.mul_(mask)``, weight surgery) is what the next step
+# continues from. Here such a write would be lost (an fp32 master overwrites it at the next step), or worse:
+# with remainders, a parameter set to +-0 (or +-inf) joined to a remainder of the other sign is a NaN master.
+# So every step records the version counter (``p._version``, bumped by every in-place write through torch) of
+# each parameter whose state holds a master, and the next step, before any update, ADOPTS the parameter of
+# every changed one, element by element: a master that still rounds (to nearest even) to the parameter is
+# kept, extra bits and all (so unchanged elements, and a consistent checkpoint loaded in either order, lose
+# nothing); any other becomes the parameter's value (fp32 master), or loses its remainder (remainders: the
+# kept remainders are, by construction, the ones that round back to the parameter). The same adoption, of
+# every master, is ``refresh_fp32_params()`` (DeepSpeed's name): for writes through ``p.data``, which bypass
+# the version counter, and nothing else does. Not under torch.compile (the traced step reads no counter).
+MASTER_KEYS = ("master_param", "master_remainder")
+
+
+class Watch(NamedTuple):
+    """The parameters whose states hold a master, and their version counters after the last step."""
+    params: list[Tensor]
+    versions: list[int]
+
+
+NOTHING = Watch([], [])
+
+
+def watch(state: dict[Tensor, dict]) -> Watch:
+    """The parameters of ``state`` (an optimizer's ``state``) that have a master, with their versions now."""
+    params = [p for p, st in state.items() if any(k in st for k in MASTER_KEYS)]
+    return Watch(params, [p._version for p in params])
+
+
+def edited(w: Watch) -> list[Tensor]:
+    """The watched parameters written since ``w`` was taken (one list comparison when none was)."""
+    now = [p._version for p in w.params]
+    if now == w.versions:
+        return []
+    return [p for p, a, b in zip(w.params, w.versions, now) if a != b]
+
+
+@torch.no_grad()
+def adopt(p: Tensor, state: dict) -> None:
+    """Bring the master in ``state`` to the 16-bit parameter ``p``, element by element (see the Note)."""
+    p16 = local(p)
+    if "master_remainder" in state:
+        rem = local(state["master_remainder"])
+        back = codecs.join_remainder(p16, rem).to(torch.bfloat16)
+        rem.masked_fill_(back.view(torch.int16) != p16.contiguous().view(torch.int16), 0)
+    elif "master_param" in state:
+        master = local(state["master_param"])
+        keep = master.to(p16.dtype) == p16
+        master.copy_(torch.where(keep, master, p16.to(torch.float32)))
