@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -352,37 +353,41 @@ def _case_mismatch(rank):
 def _case_param_gather(rank):
     """overlap_param_gather=True: step() returns with the parameter all-gathers in flight, issued in
     forward order; each module's forward waits for its own buckets. In the first step rank 1 posts
-    its all-gathers 1.5 s late (an injected delay), so on rank 0 the parameters right after step()
-    are provably stale on rank 1's slices, and correct once forward ran."""
+    its all-gathers only after rank 0 copied its parameters right after step() (a barrier on a side
+    group: no timing assumption), so those copies are provably stale on rank 1's slices, and the
+    parameters correct once forward ran. The all-gather is wrapped before the optimizer is built: its
+    buckets keep the function they were given."""
     from zero_kernels.zero import collectives as C
-    model = make_model()
-    opt = zk.ZeroAdamW(model, stage=2, bucket_size=64, backend="reference", overlap_param_gather=True)
-    assert len(opt.buckets) >= 4
-    nd = dist.get_world_size()
-    orig = C.all_gather_bucket
-    delayed = []
+    side = dist.new_group(ranks=[0, 1], backend="gloo", timeout=timedelta(seconds=60))   # every rank creates it
+    orig, armed = C.all_gather_bucket, []
 
     def late_all_gather(*a, **k):
-        if rank == 1 and not delayed:
-            delayed.append(1)
-            time.sleep(1.5)
+        if rank == 1 and armed:
+            armed.clear()
+            dist.barrier(group=side)        # until rank 0 has taken its stale copies
         return orig(*a, **k)
-    names = {id(p): n for n, p in model.named_parameters()}
+    C.all_gather_bucket = late_all_gather
+    try:
+        model = make_model()
+        opt = zk.ZeroAdamW(model, stage=2, bucket_size=64, backend="reference", overlap_param_gather=True)
+    finally:
+        C.all_gather_bucket = orig
+    assert len(opt.buckets) >= 4
+    nd = dist.get_world_size()
     for s in range(2):
         idx, tgt = batch(s, nd)
         rows = slice(rank * B, (rank + 1) * B)
         loss_fn(model, idx[rows], tgt[rows]).backward()
-        C.all_gather_bucket = late_all_gather
+        armed[:] = [1] if s == 0 else []
         C.TRACE = []
-        try:
-            opt.step()
-        finally:
-            C.all_gather_bucket = orig
+        opt.step()
         ag = [tag for kind, tag, _ in C.TRACE if kind == "all_gather"]
         C.TRACE = None
         assert ag == sorted(ag, reverse=True) and len(ag) == len(opt.buckets), ag   # forward order
         assert opt.pending_param_gathers > 0, "step() waited for the all-gathers"
         stale = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        if s == 0 and rank == 0:
+            dist.barrier(group=side)        # rank 1 may post its all-gathers now
         opt.zero_grad()
         with torch.no_grad():
             model(idx[rows])                # the forward pre-hooks wait bucket by bucket
