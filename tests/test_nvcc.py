@@ -39,6 +39,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
 ARCHS = (80, 90)
+# The .cu files hold the same kernels as the headers (they include them) plus the torch host code: their
+# device code for every arch is already checked by the header compiles, so they compile for one arch
+# (the suite's time: ~15 s less of nvcc on 2 cores).
+CU_ARCHS = (90,)
 TIMEOUT_S = 300
 
 NVCC = shutil.which("nvcc")
@@ -55,7 +59,7 @@ CU_FILES = sorted(glob.glob(os.path.join(CSRC, "*.cu")))
 CUH_FILES = sorted(glob.glob(os.path.join(CSRC, "*.cuh")))
 
 
-def _build_flags() -> list[str]:
+def _build_flags(archs=ARCHS) -> list[str]:
     """NVCC_FLAGS from zero_kernels/_build.py (one source of truth), minus its -gencode list."""
     cfg = runpy.run_path(os.path.join(ROOT, "zero_kernels", "_build.py"))
     flags = [f for f in cfg["NVCC_FLAGS"] if not f.startswith(("-gencode", "--generate-code", "-arch"))]
@@ -64,7 +68,7 @@ def _build_flags() -> list[str]:
         flags = list(COMMON_NVCC_FLAGS) + flags
     except ImportError:
         pass
-    return flags + ["-Xcompiler", "-fPIC"] + [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
+    return flags + ["-Xcompiler", "-fPIC"] + [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
 
 
 def _torch_includes(tmp: str) -> list[str]:
@@ -130,11 +134,11 @@ def compiles():
     """Start every compile at once (they are independent; nvcc is mostly single-threaded), then
     collect {label: (returncode, output, seconds)}."""
     tmp = tempfile.mkdtemp(prefix="zk_nvcc_")
-    flags = _build_flags()
+    flags, cu_flags = _build_flags(), _build_flags(CU_ARCHS)
     jobs = {}
     torch_inc = _torch_includes(tmp)
     for cu in CU_FILES:
-        cmd = [NVCC, "-c", *flags, "-Xptxas", "-v", "-DZK_WITH_CUDA=1", f"-I{CSRC}",
+        cmd = [NVCC, "-c", *cu_flags, "-Xptxas", "-v", "-DZK_WITH_CUDA=1", f"-I{CSRC}",
                *[f"-I{p}" for p in torch_inc], cu, "-o", os.path.join(tmp, os.path.basename(cu) + ".o")]
         jobs[os.path.basename(cu)] = cmd
     keep_dirs = {}   # label -> nvcc -keep directory: its PTX is checked by test_kernel_ptx_is_ieee
@@ -164,7 +168,7 @@ def compiles():
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _check(label: str, results: dict) -> None:
+def _check(label: str, results: dict, archs=ARCHS) -> None:
     rc, out, secs, cmd = results[label]
     assert rc == 0, f"nvcc failed on {label} ({secs:.0f}s)\n$ {cmd}\n{out[-6000:]}"
     kernels = parse_ptxas(out)
@@ -173,9 +177,9 @@ def _check(label: str, results: dict) -> None:
     for k in kernels:
         print(f"  {k['arch']:7s} regs={k['regs']!s:>3} stack={k['stack']}B "
               f"spill st/ld={k['spill_stores']}/{k['spill_loads']}B  {names[k['kernel']]}")
-    archs = {k["arch"].rstrip("a") for k in kernels}
-    assert archs >= {f"sm_{a}" for a in ARCHS}, (
-        f"{label}: expected device code for {ARCHS}, ptxas compiled only for {sorted(archs)}\n{out[-3000:]}")
+    built = {k["arch"].rstrip("a") for k in kernels}
+    assert built >= {f"sm_{a}" for a in archs}, (
+        f"{label}: expected device code for {archs}, ptxas compiled only for {sorted(built)}\n{out[-3000:]}")
     spilled = [k for k in kernels if (k["spill_stores"] or 0) or (k["spill_loads"] or 0)]
     assert not spilled, "register spills (want '0 bytes spill stores, 0 bytes spill loads'):\n" + "\n".join(
         f"  {k['arch']} {names[k['kernel']]}: {k['spill_stores']} B stores, {k['spill_loads']} B loads, "
@@ -190,8 +194,8 @@ def test_there_is_cuda_source():
 
 @pytest.mark.parametrize("name", [os.path.basename(p) for p in CU_FILES])
 def test_cu_compiles_without_spills(name, compiles):
-    """The .cu as the build compiles it (torch headers; see the module docstring for the stub)."""
-    _check(name, compiles)
+    """The .cu as the build compiles it (torch headers; see the module docstring for the stub), for CU_ARCHS."""
+    _check(name, compiles, CU_ARCHS)
 
 
 @pytest.mark.parametrize("name", [os.path.basename(p) for p in CUH_FILES])

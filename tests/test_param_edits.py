@@ -152,3 +152,40 @@ def test_model_cast_to_fp32_continues_from_its_masters():
     assert all("master_param" not in o.state[p] for p in m.parameters())
     for p, q in zip(m.parameters(), r.parameters()):
         assert p.dtype == torch.float32 and torch.equal(p, q)
+
+
+def _zero_worker(rank, world):
+    """ZeroAdamW stages 1-2, bf16 parameters with fp32 masters or remainders, world 2: (a) pruned elements continue
+    from 0 (no NaN, within the steps' reach of it); (b) a write that changes nothing (model.load_state_dict of the
+    model's own values: versions move, values do not) keeps every master: the run equals an untouched one bit for
+    bit."""
+    def run(stage, fmt, edit):
+        torch.manual_seed(0)
+        m = net()
+        o = zk.ZeroAdamW(m, stage=stage, param_dtype=BF, backend="reference", bucket_size=700, timeout=60, **HP,
+                         **fmt)
+        for s in range(6):
+            if s == 3 and edit == "prune":
+                prune(m, "torch")
+            if s == 3 and edit == "reload":
+                m.load_state_dict(m.state_dict())
+            g = torch.Generator().manual_seed(100 + s)
+            x = torch.randn(4 * world, 24, generator=g)[rank * 4:(rank + 1) * 4].to(BF)
+            m(x).float().pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+        return o.full_model_state_dict()
+    for stage in (1, 2):
+        for name in ("fp32 master", "remainders"):
+            fmt = FORMATS[name]
+            pruned = run(stage, fmt, "prune")["0.weight"].float()
+            mask = torch.arange(pruned.numel()).reshape(pruned.shape) % 2 == 0
+            assert not pruned.isnan().any(), (stage, name)
+            assert pruned[~mask].abs().max() <= 3 * HP["lr"] * 1.01, (stage, name)
+            same, untouched = run(stage, fmt, "reload"), run(stage, fmt, None)
+            assert all(torch.equal(same[k], untouched[k]) for k in untouched), (stage, name)
+
+
+def test_zero_stages_1_2_adopt_parameters_written_between_steps():
+    from _dist import run_world
+    run_world(_zero_worker, 2, timeout=240)

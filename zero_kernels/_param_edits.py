@@ -25,6 +25,9 @@ from ._launch_plan import local
 # kept remainders are, by construction, the ones that round back to the parameter). The same adoption, of
 # every master, is ``refresh_fp32_params()`` (DeepSpeed's name): for writes through ``p.data``, which bypass
 # the version counter, and nothing else does. Not under torch.compile (the traced step reads no counter).
+# ZeroAdamW stages 1-2 do the same per bucket (``FlatBucket.adopt_edits``: this rank's master slice brought to
+# its slice of the working parameters); stage 3 keeps no parameters between steps (the model holds empty
+# placeholders: ``model.load_state_dict`` raises there; ``load_checkpoint`` is its way in).
 MASTER_KEYS = ("master_param", "master_remainder")
 
 
@@ -52,14 +55,17 @@ def edited(w: Watch) -> list[Tensor]:
 
 
 @torch.no_grad()
-def adopt(p: Tensor, state: dict) -> None:
-    """Bring the master in ``state`` to the 16-bit parameter ``p``, element by element (see the Note)."""
-    p16 = local(p)
-    if "master_remainder" in state:
-        rem = local(state["master_remainder"])
-        back = codecs.join_remainder(p16, rem).to(torch.bfloat16)
-        rem.masked_fill_(back.view(torch.int16) != p16.contiguous().view(torch.int16), 0)
-    elif "master_param" in state:
-        master = local(state["master_param"])
+def adopt_master(p16: Tensor, master: Tensor | None = None, remainder: Tensor | None = None) -> None:
+    """The rule of the Note, in place: ``master`` (fp32) or ``remainder`` (int16, of a bf16 ``p16``) brought to
+    the 16-bit values ``p16`` (same shape), keeping every master that rounds to its parameter."""
+    if remainder is not None:
+        back = codecs.join_remainder(p16, remainder).to(torch.bfloat16)
+        remainder.masked_fill_(back.view(torch.int16) != p16.contiguous().view(torch.int16), 0)
+    elif master is not None:
         keep = master.to(p16.dtype) == p16
         master.copy_(torch.where(keep, master, p16.to(torch.float32)))
+
+
+def adopt(p: Tensor, state: dict) -> None:
+    """Bring the master in an optimizer ``state`` to the 16-bit parameter ``p`` (see the Note)."""
+    adopt_master(local(p), local(state.get("master_param")), local(state.get("master_remainder")))

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .coded import decode_slice, encode_slice, join_master, new_moments, remainder_of
+from .._param_edits import adopt_master
 from .flat import flatten
 from ..hparams import StateFormat
 from ..layout import BucketSpec, Layout, Piece, dtype_from_name
@@ -119,6 +120,7 @@ class FlatBucket:
         self.param_flat = flat
         self.point_params_at(flat)
         self.optim = OptimState(self.spec.shard_numel, self.device, self.amsgrad, self.fmt)
+        self.record_versions()
 
     def set_master(self, master: Tensor) -> None:
         """Keep the fp32 master slice: as it is, or as the int16 remainder of the bf16 slice the
@@ -127,6 +129,21 @@ class FlatBucket:
             self.master, self.remainder = None, remainder_of(master)
         else:
             self.master = master
+
+    # ---- parameters written outside the optimizer ([Note: parameters edited outside the optimizer]) ----
+    def record_versions(self) -> None:
+        """The parameters' version counters now (the step's own writes go through the flat buffer: they
+        leave them as they are)."""
+        self.versions = [p._version for p in self.params]
+
+    def adopt_edits(self) -> None:
+        """When a parameter was written through torch since ``record_versions`` (``model.load_state_dict``,
+        pruning, ``torch.nn.init``), bring this rank's master slice to its slice of the working parameters,
+        keeping every master that still rounds to its parameter."""
+        if [p._version for p in self.params] == self.versions or self.master_is_param:
+            return
+        adopt_master(self.owned_params, self.master, self.remainder)
+        self.record_versions()
 
     def master_fp32(self) -> Tensor:
         """The fp32 master slice (joined from the bf16 slice and its remainder when remainders are kept)."""

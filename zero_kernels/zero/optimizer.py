@@ -187,6 +187,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         fused optimizers (also read from the attributes GradScaler sets)."""
         self.strategy.wait_for_params()                 # the step writes the slices the gathers read
         check_bound(self.buckets)                       # [Note: bound parameters] (buckets.py)
+        for b in self.buckets:                          # [Note: parameters edited outside the optimizer]
+            b.adopt_edits()
         grad_scale = grad_scale if grad_scale is not None else getattr(self, "grad_scale", None)
         found_inf = found_inf if found_inf is not None else getattr(self, "found_inf", None)
         self.scaling.check_amp(grad_scale, found_inf)
@@ -203,6 +205,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             if not skip:                                # every rank skips alike: nothing changes
                 self._apply(active, inv_loss_scale)
         self.strategy.finish_step()
+        for b in self.buckets:
+            b.record_versions()
         self.wire.mark()
         self._clip_coef = None
         self._active_cache = None

@@ -97,6 +97,10 @@ class UnitBucket(FlatBucket):
     def owned_params(self) -> Tensor:
         return self.shard
 
+    def adopt_edits(self) -> None:
+        """Nothing to adopt: between steps the model holds empty placeholders ([Note: parameters edited
+        outside the optimizer] in zero_kernels/_param_edits.py)."""
+
     def _is_view(self, p: Tensor, ps) -> bool:
         # freed (or still gathering): parameters are the empty placeholder, which has no elements
         return self.gather_state == GATHERED and super()._is_view(p, ps)
