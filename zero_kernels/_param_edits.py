@@ -46,6 +46,11 @@ def watch(state: dict[Tensor, dict]) -> Watch:
     return Watch(params, [p._version for p in params])
 
 
+def renew(w: Watch) -> Watch:
+    """``w``'s parameters with their versions now (each step; ``watch`` again only when states were made)."""
+    return Watch(w.params, [p._version for p in w.params])
+
+
 def edited(w: Watch) -> list[Tensor]:
     """The watched parameters written since ``w`` was taken (one list comparison when none was)."""
     now = [p._version for p in w.params]

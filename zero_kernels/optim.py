@@ -107,6 +107,7 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         self._epoch = 0
         self._state_dicts: list[dict] = []
         self._watch = _param_edits.NOTHING   # [Note: parameters edited outside the optimizer]
+        self._watch_new = True               # states were made since: watch() again (else renew())
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=False, fused=fused,
@@ -171,6 +172,7 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         self._epoch = 0
         self._state_dicts: list[dict] = []
         self._watch = _param_edits.NOTHING
+        self._watch_new = True
         self._step_supports_amp_scaling = True
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
@@ -210,6 +212,7 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
                     raise ValueError(f"{why}. Nothing was loaded.")
         super().load_state_dict(state_dict)
         self._epoch += 1
+        self._watch_new = True
         for p, sid in zip(params, saved_ids):
             if coded and sid in saved:      # torch cast the codes to the parameter's dtype: restore them
                 self.state[p].update({k: v for k, v in saved[sid].items() if k != "step"})
@@ -278,7 +281,8 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
     def _adopt_edits(self) -> None:
         """Adopt the parameters written outside the optimizer since the last step (just before the launches)."""
         for p in _param_edits.edited(self._watch):
-            _param_edits.adopt(p, self.state[p])
+            if p in self.state:
+                _param_edits.adopt(p, self.state[p])
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -308,7 +312,8 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
             self._adopt_edits()
             for group, grads, plan in work:
                 self._run_plan(group, plan, grads, grad_scale, found_inf)
-        self._watch = _param_edits.watch(self.state)
+        self._watch = _param_edits.watch(self.state) if self._watch_new else _param_edits.renew(self._watch)
+        self._watch_new = False
         return loss
 
     def _prepare(self) -> list[tuple[dict[str, Any], list[Tensor | None], GroupPlan]]:
@@ -327,6 +332,7 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         for k, (gi, group, grads, sig, plan) in enumerate(work):
             if plan is None:
                 plan = self._build_plan(gi, group, grads, sig)
+                self._watch_new = True
                 if plan.cacheable:
                     self._plans[gi] = plan
                 work[k] = (gi, group, grads, sig, plan)
@@ -409,6 +415,7 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
                 check_grads(type(self).__name__, gi, group, grads)
                 build[gi] = sig
         if build:
+            self._watch_new = True
             for gi, plan in optim_coded.coded_plans(self.param_groups, self.state, self._format, build,
                                                     self._epoch).items():
                 plans[gi] = plan
