@@ -291,7 +291,9 @@ def _world_cases(rank, world):
         if (world == 3 and i % 2) or (world in (1, 4) and not i % 2):
             continue
         run(f"parity {i} {cfg}", lambda cfg=cfg: check_parity(cfg))
-    for be in _extra_backends():
+    # the C++ kernel's parity at world 2 and at world 3 (sizes it does not divide); worlds 1 and 4 add
+    # nothing the parity configs do not already cover (suite time: ~12 s at world 4 on 2 cores)
+    for be in (_extra_backends() if world in (2, 3) else ()):
         for st in (1, 2):
             run(f"backend {be} stage {st}", lambda be=be, st=st: check_parity(dict(stage=st, backend=be, bucket_size=64)))
             run(f"backend {be} bf16 stage {st}",
