@@ -537,6 +537,30 @@ def test_bad_parameters_raise():
         zk.FusedAdamW([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3, device="meta"))])
 
 
+def test_parameter_listed_twice_in_a_group_raises():
+    """A tied weight taken from two modules' parameters() is one tensor listed twice: torch.optim warns and
+    updates it twice per step; the fused launch updated it twice with one step counter (matching neither run,
+    silently). Refused, naming both places, in the constructor and in add_param_group, before any change."""
+    enc, dec = torch.nn.Embedding(11, 4), torch.nn.Linear(4, 11, bias=False)
+    dec.weight = enc.weight   # tied
+    listed = list(enc.parameters()) + list(dec.parameters())
+    with pytest.raises(ValueError, match=r"\['params'\]\[1\] is param_groups\[0\]\['params'\]\[0\] again"):
+        zk.FusedAdamW(listed)
+    other = torch.nn.Parameter(torch.randn(3))
+    opt = zk.FusedAdamW([other])
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[2\] is .*\[0\] again"):
+        opt.add_param_group({"params": [enc.weight, torch.nn.Parameter(torch.randn(2)), enc.weight]})
+    assert len(opt.param_groups) == 1
+    opt = zk.FusedAdamW(list(dict.fromkeys(listed)))      # the fix the message names: one update per step
+    ref = torch.optim.AdamW([torch.nn.Parameter(enc.weight.detach().clone())])
+    for s in range(3):
+        enc.weight.grad = torch.randn(11, 4, generator=torch.Generator().manual_seed(s))
+        ref.param_groups[0]["params"][0].grad = enc.weight.grad.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(enc.weight.detach(), ref.param_groups[0]["params"][0].detach(), rtol=0, atol=1e-6)
+
+
 def test_unavailable_backend_by_name_says_why(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):

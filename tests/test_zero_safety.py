@@ -540,3 +540,66 @@ def test_stage3_forward_gather_honours_timeout_world2():
     """Issue 13.8: a stalled peer during ZeRO-3's forward gathers raises the package's timeout error
     (naming the collective and the likely cause) after timeout=, not gloo's own 60 s here."""
     run_world(_stage3_forward_stall, 2, timeout=120, collective_timeout=60)
+
+
+def _unfreeze_case(rank, world, out):
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.GELU(), torch.nn.Linear(13, 3))
+
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(5, 7, generator=g) for _ in range(5)]
+    fulls = []
+    for stage in (1, 2, 3):
+        # Frozen at construction, unfrozen later: refused (it has no shard), before anything changes.
+        model = make()
+        model[0].weight.requires_grad_(False)
+        zopt = zk.ZeroAdamW(model, stage=stage, lr=1e-2, timeout=T_OUT)
+        model(xs[0]).square().mean().backward()
+        zopt.step()
+        zopt.zero_grad()
+        model[0].weight.requires_grad_(True)
+        model(xs[1]).square().mean().backward()
+        before, steps = zopt.state_dict()["state"], list(zopt.steps)
+        with pytest.raises(ValueError, match=r"parameter '0.weight' was frozen .* Build the optimizer after"):
+            zopt.clip_grad_norm_(1.0)
+        with pytest.raises(ValueError, match=r"parameter '0.weight' was frozen"):
+            zopt.step()
+        assert zopt.steps == steps
+        after = zopt.state_dict()["state"]
+        assert all(torch.equal(x[k], y[k]) for x, y in zip(before, after) for k in x)
+        zopt.remove_hooks()
+        # The fix the message names: trainable at construction, frozen for a while, trained again.
+        model = make()
+        zopt = zk.ZeroAdamW(model, stage=stage, lr=1e-2, timeout=T_OUT)
+        for s, x in enumerate(xs):
+            model[0].weight.requires_grad_(not 1 <= s <= 2)
+            model(x).square().mean().backward()
+            zopt.step()
+            zopt.zero_grad()
+        fulls.append(zopt.full_model_state_dict())
+        zopt.remove_hooks()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, xs)
+    if rank == 0:
+        torch.save((fulls, gathered), out)
+
+
+def test_unfrozen_parameter_refused_and_freezing_later_trains_world2(tmp_path):
+    """A parameter frozen when ZeroAdamW was built and unfrozen since used to get gradients and never train
+    (no error): step() and clip_grad_norm_ now raise naming it. Built trainable and frozen for a while, it is
+    skipped like torch.optim.AdamW skips it and trains again once unfrozen (equal to AdamW on one process)."""
+    out = str(tmp_path / "r.pt")
+    run_world(_unfreeze_case, 2, out, timeout=240)
+    fulls, (xs0, xs1) = torch.load(out)
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.GELU(), torch.nn.Linear(13, 3))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for s, (x0, x1) in enumerate(zip(xs0, xs1)):
+        ref[0].weight.requires_grad_(not 1 <= s <= 2)
+        ((ref(x0).square().mean() + ref(x1).square().mean()) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    for stage, full in zip((1, 2, 3), fulls):
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"stage {stage} {k}: {m}")

@@ -17,7 +17,7 @@ from . import _param_edits, backends, codecs, optim_coded
 from ._launch_plan import GroupPlan, Launch, is_low_precision, local, packed_steps, signature, state_error
 from ._traced_step import TracedStep
 from .codecs import BLOCK
-from .optim_checks import check_grads, check_group_keys, check_scalars
+from .optim_checks import check_distinct, check_grads, check_group_keys, check_scalars
 from .hparams import check_param_format, scalar_lr, validate_hparams as _validate_hparams, validate_state_format
 from .reference import compute_coeffs
 
@@ -139,6 +139,7 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
                 raise ValueError(f"params[{i}] has dtype {t.dtype}; optimizers need floating-point "
                                  "parameters (integer tensors have no gradient)")
         tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+        check_distinct(len(self.param_groups), tensors)
         devices = {t.device for t in tensors if isinstance(t, Tensor)}
         if len(devices) > 1:
             raise ValueError(f"one parameter group mixes devices {sorted(map(str, devices))}; a fused "

@@ -27,6 +27,20 @@ def check_group_keys(gi: int, group: dict[str, Any]) -> None:
                          "optimizer")
 
 
+def check_distinct(gi: int, tensors: list[Any]) -> None:
+    """ValueError naming both places when param group ``gi`` lists one tensor twice (a tied weight taken from
+    two modules' ``parameters()``): torch.optim warns and updates it twice per step (and says it will refuse
+    it); a fused launch would update it twice in one pass with one step counter, which is neither."""
+    first: dict[int, int] = {}
+    for i, t in enumerate(tensors):
+        j = first.setdefault(id(t), i)
+        if j != i and isinstance(t, Tensor):
+            raise ValueError(f"param_groups[{gi}]['params'][{i}] is param_groups[{gi}]['params'][{j}] again (one "
+                             "parameter listed twice, e.g. a tied weight taken from two modules); list each "
+                             "parameter once, e.g. list(dict.fromkeys(params)), or model.parameters(), which "
+                             "lists a tied weight once")
+
+
 def check_scalars(gi: int, group: dict[str, Any]) -> None:
     """Hyper-parameters the kernels take as fp32 must fit in fp32 (torch.optim.AdamW raises too); no
     optimizer-wide argument set on the group since (check_group_keys)."""

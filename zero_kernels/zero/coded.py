@@ -136,7 +136,7 @@ def step_coded_slice(b, n: int, group: dict, step: int, scale: Tensor, backend: 
                           optim_coded.group_hparams(group, adamw), grad_scale=scale, found_inf=None)
 
 
-def step_decoded_slice(b, runs: list[tuple[int, int, int]], fused_step, step: int) -> None:
+def step_decoded_slice(b, fused_step, step: int) -> None:
     """The mixed case of the Note: decode the slice, ``fused_step(master, exp_avg, exp_avg_sq, params16)``
     runs the fp32 step on the runs, encode again (the remainder re-split from the new master)."""
     fp32 = decode_slice(b.optim.tensors)

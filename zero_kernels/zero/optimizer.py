@@ -16,6 +16,7 @@ from .buckets import check_bound
 from .build import bind, plan
 from .config import ZeroConfig
 from .mesh import resolve_mesh
+from .params import check_frozen
 from .scaling import StepScaling
 from .stage3 import Stage3
 from .state_dict import apply_shard, check_shard, full_model_state_dict, shard_state_dict
@@ -80,6 +81,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._coded_backend = plan_.coded_backend       # [Note: coded ZeRO states] (coded.py)
         # ---- 5. bind: parameters become views of the buckets, hooks registered ----------------------
         self.buckets = bind(plan_, cfg, strategy_cls, any(g["amsgrad"] for g in self.param_groups))
+        self._frozen_named = plan_.params.frozen        # unfrozen since and given a gradient: refused
         self._frozen = [p for _, p in plan_.params.frozen]
         self.steps = [0] * len(self.layout.params)      # per parameter, like torch's state["step"]
         ctx = StrategyContext(model, self.buckets, self.layout, self._frozen, cfg, process_group, self.rank,
@@ -160,6 +162,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         coefficient is folded into the next step's grad_scale (no pass over the gradients). torch's own
         ``clip_grad_norm_(model.parameters(), ...)`` raises ShardedGradError naming this method
         ([Note: gradient placeholders] in grad_guard.py)."""
+        check_frozen(self._frozen_named)
         self.strategy.check_grads()
         self._reduce_all()
         total = global_norm(self.buckets, self.rank, float(norm_type), self.process_group, self._device)
@@ -187,6 +190,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         fused optimizers (also read from the attributes GradScaler sets)."""
         self.strategy.wait_for_params()                 # the step writes the slices the gathers read
         check_bound(self.buckets)                       # [Note: bound parameters] (buckets.py)
+        check_frozen(self._frozen_named)                # a parameter unfrozen since construction
         for b in self.buckets:                          # [Note: parameters edited outside the optimizer]
             b.adopt_edits()
         grad_scale = grad_scale if grad_scale is not None else getattr(self, "grad_scale", None)

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from ..hparams import validate_hparams
 from .config import FLOAT_DTYPES
 
-__all__ = ["ModelParams", "read_model", "model_error", "resolve_groups", "HPARAM_KEYS"]
+__all__ = ["ModelParams", "read_model", "model_error", "resolve_groups", "check_frozen", "HPARAM_KEYS"]
 
 HPARAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 
@@ -55,6 +55,21 @@ def model_error(trainable, param_dtype) -> str | None:
     if not trainable:
         return "the model has no trainable parameters (all have requires_grad=False)"
     return None
+
+
+def check_frozen(frozen: list[tuple[str, nn.Parameter]]) -> None:
+    """ValueError when a parameter frozen at construction got a gradient since: it was unfrozen
+    (``requires_grad_(True)``), but it has no shard, state or bucket, so the step would leave it untrained
+    without a word (torch.optim.AdamW over ``model.parameters()`` would train it)."""
+    for n, p in frozen:
+        if p.grad is not None:
+            raise ValueError(
+                f"parameter {n!r} was frozen (requires_grad=False) when the ZeRO optimizer was built, so it "
+                "has no shard, optimizer state or gradient bucket, and it has a gradient now (unfrozen since): "
+                "step() would leave it untrained. Build the optimizer after unfreezing it (the layout is fixed "
+                "at construction), or build it with the parameter trainable and freeze it with "
+                "requires_grad_(False) until it should train: a parameter without a gradient is skipped by the "
+                "step (as by torch.optim.AdamW) and trains again once unfrozen. Nothing was changed.")
 
 
 def _group_params(gi: int, g: dict, mp: ModelParams, group_of: dict[int, int]):
