@@ -482,6 +482,18 @@ def test_non_contiguous_parameter_updated_in_place(backend):
         oz.step(); ot.step()
     assert not p.is_contiguous()
     torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    # a non-contiguous bf16 parameter with its fp32 master: the kernel writes a contiguous 16-bit copy,
+    # copied back in place (the parameter is the master's RNE rounding, as for a contiguous one)
+    p = torch.nn.Parameter(base.bfloat16().t())
+    q = torch.nn.Parameter(p.detach().float())
+    oz, ot = zk.FusedAdamW([p], lr=1e-2, backend=backend), torch.optim.AdamW([q], lr=1e-2)
+    for s in range(3):
+        g = torch.randn(7, 13).bfloat16()
+        p.grad, q.grad = g.t().contiguous().t(), g.float()
+        oz.step(); ot.step()
+    assert not p.is_contiguous()
+    torch.testing.assert_close(oz.state[p]["master_param"], q.detach(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(p.detach(), oz.state[p]["master_param"].bfloat16())
 
 
 def test_launches_bounded_by_dtype_device_groups(monkeypatch):

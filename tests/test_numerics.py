@@ -196,6 +196,21 @@ def test_every_triton_launch_disables_fp_fusion(gpu_scalars):
 
 # ----------------------------------------------------------------------------- Triton == reference
 @needs_interpreter
+def test_triton_call_mixing_grad_dtypes_launches_per_dtype():
+    """One call with fp32 and bf16 gradients (callers outside the optimizer may mix them): the tensors are
+    regrouped, one launch per gradient dtype, each with its own rows of the coefficients; bits as the reference."""
+    from zero_kernels.kernels import adam
+    a = make_state((301, 17), torch.float32, torch.bfloat16, amsgrad=True)
+    b = make_state((1031, 4), torch.bfloat16, torch.bfloat16, amsgrad=True)
+    st = {k: [a[k][0], b[k][0], a[k][1], b[k][1]] for k in _ORDER}
+    coeffs = _coeffs(4, True)                    # another step per tensor: a wrong row would show
+    before = adam.launch_count
+    got, want = run_both("triton", st, coeffs, **_hp(True))
+    assert adam.launch_count - before == 2
+    assert_bitwise(got, want)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["", "amsgrad"])
 @pytest.mark.parametrize("adamw", [True, False], ids=["AdamW", "Adam"])
 @pytest.mark.parametrize("gdt,pdt", DTYPES, ids=DTYPE_IDS)

@@ -617,3 +617,60 @@ def test_default_units_split_repeated_blocks_world2(tmp_path):
     pad = 2 * 4 * 64                                  # alignment padding of a few buckets
     assert r["peak"] <= 2 * r["block"] + r["emb"] + 4 * pad, r
     assert r["peak"] < 6 * r["block"]                 # negative control: not the whole model
+
+
+class _NestedOut(nn.Module):
+    """A unit whose forward returns its tensors inside a tuple, a dict or a list, beside non-tensors."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.a, self.b, self.kind = nn.Linear(8, 8), nn.Linear(8, 8), kind
+
+    def forward(self, x):
+        h, g = torch.tanh(self.a(x)), self.b(x)
+        return {"tuple": (h, (g, None), 3), "dict": {"h": h, "aux": [g, "tag"]}, "list": [h, g]}[self.kind]
+
+
+def _unpack(o, kind):
+    return {"tuple": lambda: o[0] + o[1][0], "dict": lambda: o["h"] + o["aux"][0], "list": lambda: o[0] * o[1]}[kind]()
+
+
+class _NestedModel(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.u1, self.u2, self.head, self.kind = _NestedOut(kind), _NestedOut(kind), nn.Linear(8, 2), kind
+
+    def forward(self, x):
+        return self.head(_unpack(self.u2(_unpack(self.u1(x), self.kind)), self.kind))
+
+
+def _nested_outputs_case(rank, world):
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(5, 8, generator=g) for _ in range(3)]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, xs)
+    for kind in ("tuple", "dict", "list"):
+        torch.manual_seed(0)
+        model = _NestedModel(kind)
+        ref = copy.deepcopy(model)
+        zopt = zk.ZeroAdamW(model, stage=3, lr=1e-2, backend="reference")
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        out = model(xs[0])               # train mode, dropped without backward: nothing stays gathered
+        del out
+        assert zopt.memory_report()["gathered_params"] == 0, kind
+        for s, x in enumerate(xs):
+            model(x).square().mean().backward()
+            zopt.step()
+            zopt.zero_grad()
+            sum(ref(gathered[r][s]).square().mean() for r in range(world)).div(world).backward()
+            ropt.step()
+            ropt.zero_grad()
+        full = zopt.full_model_state_dict()
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{kind} {k}: {m}")
+        zopt.remove_hooks()
+
+
+def test_units_returning_tuples_dicts_and_lists_world2():
+    """Units whose outputs nest their tensors (HF blocks return tuples, dicts) train as torch.optim.AdamW does."""
+    run_world(_nested_outputs_case, 2, timeout=120)

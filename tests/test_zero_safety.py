@@ -10,8 +10,11 @@
 """
 from __future__ import annotations
 
+import io
 import os
+import shutil
 import sys
+import tempfile
 import time
 import warnings
 
@@ -69,15 +72,53 @@ def _case_dynamic(rank, stage):
     assert all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
     assert opt.steps == steps and opt.skipped_steps == 1
     assert opt.loss_scaler.scale == s0 / 2
+    # the loss scale is part of the state: a shard state dict and a checkpoint taken here resume exactly
+    sd = opt.state_dict()
+    root = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(root)
+    opt.save_checkpoint(root[0])
     for s in range(2, 5):
         _backward(model, s, opt.scale_loss)
         opt.step()
         opt.zero_grad()
     assert opt.loss_scaler.scale == s0        # grown back after growth_interval=3 good steps
     assert opt.steps[0] == 4
+    full = opt.full_model_state_dict()
+    for resume in ("state_dict", "checkpoint"):
+        m2 = make_model()
+        o2 = zk.ZeroAdamW(m2, stage=stage, param_dtype=torch.float16, loss_scale="dynamic", growth_interval=3,
+                          bucket_size=64, backend="reference")
+        assert o2.loss_scaler.scale == 2.0 ** 16
+        if resume == "state_dict":
+            o2.load_state_dict(torch.load(_roundtrip(sd, rank), weights_only=True))
+        else:
+            o2.load_checkpoint(root[0])
+        assert o2.loss_scaler.scale == s0 / 2 and o2.skipped_steps == 1, resume
+        for s in range(2, 5):
+            _backward(m2, s, o2.scale_loss)
+            o2.step()
+            o2.zero_grad()
+        assert o2.loss_scaler.scale == s0 and o2.steps == opt.steps, resume
+        got = o2.full_model_state_dict()
+        assert all(torch.equal(got[k], full[k]) for k in full), resume
+        o2.remove_hooks()
+    bad = {**sd, "scaling": {"loss_scaler": {"scale": float("inf")}, "skipped_steps": 1}}
+    with pytest.raises(ValueError, match="finite positive 'scale'.*Nothing was loaded"):
+        opt.load_state_dict(bad)
+    assert opt.loss_scaler.scale == s0
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root[0])
     scales = [None] * dist.get_world_size()
     dist.all_gather_object(scales, (opt.loss_scaler.scale, opt.skipped_steps))
     assert len(set(scales)) == 1
+
+
+def _roundtrip(obj, rank) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
 
 
 def _case_gradscaler(rank):

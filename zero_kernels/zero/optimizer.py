@@ -242,8 +242,10 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard ([Note: shard state dict] in state_dict.py)."""
-        return shard_state_dict(self.stage, self.rank, self.world_size, self.layout, self.steps,
-                                self.param_groups, self.buckets)
+        sd = shard_state_dict(self.stage, self.rank, self.world_size, self.layout, self.steps,
+                              self.param_groups, self.buckets)
+        sd["scaling"] = self.scaling.state_dict()      # loss scale and skipped steps: resume exactly
+        return sd
 
     @bounded_by_timeout
     @torch.no_grad()
@@ -251,8 +253,13 @@ class ZeroAdamW(torch.optim.Optimizer):
         """Load a shard saved by state_dict() on the same rank of the same layout (collective: the
         working parameters are refreshed from the loaded masters). Raises before changing anything."""
         check_shard(state_dict, self.layout, self.world_size, self.rank, self.buckets, self.param_groups)
+        why = None if "scaling" not in state_dict else self.scaling.check_state(state_dict["scaling"])
+        if why is not None:
+            raise ValueError(f"{why}. Nothing was loaded.")
         self.wait_for_params()
         self.steps = apply_shard(state_dict, self.buckets, self.param_groups)
+        if "scaling" in state_dict:                     # shards saved before it was kept: scaling unchanged
+            self.scaling.load_state_dict(state_dict["scaling"])
         self.refresh_params()
 
     def refresh_params(self) -> None:

@@ -135,6 +135,30 @@ class StepScaling:
         self.skipped_steps = 0
         self.mesh = mesh if mesh is not None else ZeroMesh(group, None)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data for the shard state dict: the loss scaler's state (None without one; a GradScaler given
+        as ``loss_scale`` is saved by its owner, as torch's AMP recipe does) and the skipped-step count."""
+        return {"loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+                "skipped_steps": self.skipped_steps}
+
+    @staticmethod
+    def check_state(d: Any) -> str | None:
+        """Why ``d`` (a saved :meth:`state_dict`) cannot be loaded, or None."""
+        if not isinstance(d, dict) or not isinstance(d.get("skipped_steps"), int) or d["skipped_steps"] < 0:
+            return f"'scaling' must be a dict with a non-negative int 'skipped_steps', got {d!r}"
+        ls = d.get("loss_scaler")
+        if ls is not None:
+            scale = ls.get("scale") if isinstance(ls, dict) else None
+            if not isinstance(scale, (int, float)) or not 0.0 < float(scale) < float("inf"):
+                return f"'scaling'['loss_scaler'] must hold a finite positive 'scale', got {ls!r}"
+        return None
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore a checked :meth:`state_dict` (a saved loss scaler into this optimizer's, when it has one)."""
+        if self.loss_scaler is not None and d.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(d["loss_scaler"])
+        self.skipped_steps = int(d["skipped_steps"])
+
     def current_scale(self) -> float | None:
         """The loss scale the reduced slices currently carry (None: unscaled)."""
         if self.loss_scaler is not None:
