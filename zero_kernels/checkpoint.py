@@ -174,8 +174,7 @@ def _metadata(opt, version_dir_name: str) -> dict:
                     "group": p.group, "step": int(opt.steps[p.index])} for p in lay.params],
         "param_groups": groups,
         "amsgrad_state": any(b.amsgrad for b in opt.buckets),
-        "loss_scaler": None if getattr(opt, "loss_scaler", None) is None else opt.loss_scaler.state_dict(),
-        "skipped_steps": int(getattr(opt, "skipped_steps", 0)),
+        **opt.scaling.state_dict(),                 # "loss_scaler", "skipped_steps": as the shard state dict's
         "state_dict_keys": sd_keys, "registration_order": reg_order,
         "master_dtype": dtype_name(torch.float32),
         "state_format": _state_format(opt),
@@ -352,9 +351,7 @@ def load_checkpoint(opt, path, verify: bool = True) -> None:
         for k, v in saved.items():
             if k in g:
                 g[k] = tuple(v) if k == "betas" else v
-    if getattr(opt, "loss_scaler", None) is not None and meta.get("loss_scaler"):
-        opt.loss_scaler.load_state_dict(meta["loss_scaler"])
-    opt.skipped_steps = int(meta.get("skipped_steps", 0))
+    opt.scaling.load_state_dict({"loss_scaler": meta.get("loss_scaler"), "skipped_steps": meta.get("skipped_steps", 0)})
     msd = opt.module.state_dict(keep_vars=True)
     for k, v in rest.items():
         msd[k].copy_(v)

@@ -82,10 +82,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         # ---- 5. bind: parameters become views of the buckets, hooks registered ----------------------
         self.buckets = bind(plan_, cfg, strategy_cls, any(g["amsgrad"] for g in self.param_groups))
         self._frozen_named = plan_.params.frozen        # unfrozen since and given a gradient: refused
-        self._frozen = [p for _, p in plan_.params.frozen]
         self.steps = [0] * len(self.layout.params)      # per parameter, like torch's state["step"]
-        ctx = StrategyContext(model, self.buckets, self.layout, self._frozen, cfg, process_group, self.rank,
-                              self.world_size, zmesh)
+        ctx = StrategyContext(model, self.buckets, self.layout, [p for _, p in self._frozen_named], cfg,
+                              process_group, self.rank, self.world_size, zmesh)
         self.strategy = strategy_cls(ctx, plan_.units)
         self.scaling = StepScaling(cfg.loss_scale, cfg.growth_interval, process_group, self.rank, self.world_size,
                                    cfg.stage, self._device, id(self), zmesh)

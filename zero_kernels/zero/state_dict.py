@@ -6,9 +6,11 @@ A shard holds, per bucket, this rank's slices as stored (``FlatBucket.state_tens
 exp_avg, exp_avg_sq, and max_exp_avg_sq with amsgrad; with coded states the codes and block scales,
 and ``master_remainder`` + ``params16``, the bf16 slice it completes: [Note: coded ZeRO states]),
 per parameter its step count, the groups' hyper-parameters, the layout (plain data) with its
-fingerprint, and (added by ZeroAdamW.state_dict) ``scaling``: the loss scaler's state and the skipped-step
-count, so that an fp16 run with ``loss_scale="dynamic"`` resumes with its scale. It loads only into the same rank of the same layout, bit for bit; a shard of another
-state format converts (decoded to fp32, encoded into this optimizer's format, with a warning).
+fingerprint, and (added by ZeroAdamW.state_dict) ``scaling``: the loss scaler's state and the
+skipped-step count (``StepScaling.state_dict``, also what checkpoints keep), so that an fp16 run with
+``loss_scale="dynamic"`` resumes with its scale. It loads only into the same rank of the same layout,
+bit for bit; a shard of another state format converts (decoded to fp32, encoded into this optimizer's
+format, with a warning).
 Everything is checked (and the restored hyper-parameters validated, hparams.py) before anything
 changes.
 """
