@@ -184,9 +184,14 @@ ZK_TGT static inline void zk_c_encode(int kind, bool V_, float* x, void* dst, fl
   }
 }
 
-// bf16 parameter + int16 remainder -> fp32 master: bits = (hi << 16) + rem (int32 wrap).
+// bf16 parameter + int16 remainder -> fp32 master: bits = (hi << 16) + rem (int32 wrap), a negative rem
+// under hi = +-0 taken as 0 ([Note: state codecs] 4: a parameter written outside the optimizer keeps its
+// old remainder; the join must not wrap to NaN).
 ZK_TGT static inline Q::F zk_c_join1(const uint16_t* hi, const int16_t* rem) {
-  return Q::bf(Q::addi(Q::shl<16>(Q::ld_u16(hi)), Q::ld_i16(rem)));
+  const Q::I h = Q::ld_u16(hi);
+  const Q::I r = Q::ld_i16(rem);
+  const Q::M zero = Q::eqi(Q::andi(h, Q::set1i(0x7FFF)), Q::set1i(0));
+  return Q::bf(Q::addi(Q::shl<16>(h), Q::seli(zero, Q::maxi(r, Q::set1i(0)), r)));
 }
 
 // fp32 master -> (bf16 = RNE(master), remainder = bits - (hi << 16), the tie 0x8000 kept as 0x7FFF;

@@ -134,8 +134,11 @@ struct Q {
   // the low 16 bits of a's then b's lanes (each lane within [0, 65535]), elements in order
   ZK_TGT static inline I words2(I a, I b) { return qswap(_mm256_packus_epi32(a, b)); }
   ZK_TGT static inline void join2(const uint16_t* hp, const int16_t* rp, F& x0, F& x1) {
-    const I r = qswap(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rp)));
+    I r = qswap(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rp)));
     I h = qswap(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hp)));
+    // under hi = +-0 a negative rem counts as 0 (zk_c_join1): max(rem, 0) there, max(rem, -32768) elsewhere
+    const I zero = _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7FFF)), _mm256_setzero_si256());
+    r = _mm256_max_epi16(r, _mm256_andnot_si256(zero, _mm256_set1_epi16(static_cast<short>(0x8000))));
     h = _mm256_add_epi16(h, _mm256_cmpgt_epi16(_mm256_setzero_si256(), r));  // hi - 1 where rem < 0
     x0 = bf(_mm256_unpacklo_epi16(r, h));                                      // (hi << 16) | rem word
     x1 = bf(_mm256_unpackhi_epi16(r, h));
@@ -373,8 +376,11 @@ struct Q {
                                              30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0));
   }
   ZK_TGT static inline void join2(const uint16_t* hp, const int16_t* rp, F& x0, F& x1) {
-    const I r = _mm512_loadu_si512(rp);
+    const I r0 = _mm512_loadu_si512(rp);
     I h = _mm512_loadu_si512(hp);
+    // under hi = +-0 a negative rem counts as 0 (zk_c_join1)
+    const __mmask32 sat = _mm512_movepi16_mask(r0) & _mm512_testn_epi16_mask(h, _mm512_set1_epi16(0x7FFF));
+    const I r = _mm512_maskz_mov_epi16(~sat, r0);
     h = _mm512_mask_sub_epi16(h, _mm512_movepi16_mask(r), h, _mm512_set1_epi16(1));
     // word 2k of x0 / x1: rem k / rem 16 + k; word 2k + 1: hi k / hi 16 + k (index 32 + .. picks h)
     const I lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,

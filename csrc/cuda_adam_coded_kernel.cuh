@@ -222,7 +222,8 @@ __device__ __forceinline__ uint32_t encode_v8(float s, uint32_t k) {
 }
 
 // split_remainder: fp32 bits -> (bf16 = round-to-nearest-even, int16 remainder with the tie 0x8000
-// kept as 0x7FFF); a NaN master -> (0x7FC0, 0). join is (hi << 16) + sign-extended remainder.
+// kept as 0x7FFF); a NaN master -> (0x7FC0, 0). join is (hi << 16) + sign-extended remainder (0 where
+// negative under hi = +-0).
 __device__ __forceinline__ void split_remainder(float p, uint32_t& hi, uint32_t& rem) {
   const uint32_t b = __float_as_uint(p);
   const uint32_t h = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
@@ -378,7 +379,10 @@ fused_adam_coded_kernel(const __grid_constant__ CodedTensorTable table,  // the 
     load8<uint16_t>(static_cast<const uint16_t*>(p16) + e0, vec, valid, raw);
     load8<uint16_t>(static_cast<const int16_t*>(master) + e0, vec, valid, rem);
 #pragma unroll
-    for (int j = 0; j < kLaneElems; ++j) p[j] = __uint_as_float((raw[j] << 16) + uint32_t(int32_t(int16_t(rem[j]))));
+    for (int j = 0; j < kLaneElems; ++j) {   // a negative rem under +-0 counts as 0 (codecs Note, 4)
+      const int32_t r = int32_t(int16_t(rem[j]));
+      p[j] = __uint_as_float((raw[j] << 16) + uint32_t((raw[j] & 0x7FFFu) == 0u ? max(r, 0) : r));
+    }
   } else {
     load8<uint32_t>(static_cast<const float*>(master) + e0, vec, valid, raw);
 #pragma unroll

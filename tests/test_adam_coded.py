@@ -16,7 +16,7 @@ from zero_kernels.kernels._codecs import QBLOCK, decode_m8, decode_v8, encode_m8
 from zero_kernels.kernels.adam_coded import adam_step_coded_triton
 from zero_kernels.reference import sqrt_rn
 
-from _codec_controls import WRONG, wrong_v8_sqrt
+from _codec_controls import WRONG, check_written_zeros, written_zeros, wrong_v8_sqrt
 
 BF, U8, F8, F32 = torch.bfloat16, torch.uint8, torch.float8_e4m3fn, torch.float32
 SIZES = [1, 255, 256, 257, 1023, 1025, 4099, 5000]   # below a block, a block, partial blocks, two chunks
@@ -377,3 +377,25 @@ def test_codec_device_functions_on_random_blocks_and_decode_edge_scales():
     want_m, want_v = C.decode_m8(codes, scales), C.decode_v8(codes, scales)
     assert torch.equal(bits(dm), bits(want_m)) and torch.equal(bits(dv), bits(want_v))
     assert want_v.isinf().any() and want_m.isnan().any() and (want_m[3 * 256:5 * 256] != 0).any()
+
+
+@pytest.mark.parametrize("lr", [0.0, 1e-2])
+def test_parameters_written_to_zero_join_to_zero(lr):
+    """[Note: state codecs] 4: bf16 parameters written to +-0 outside the optimizer (``p.data``) keep their old
+    remainders; the kernel's join saturates at +-0 as the reference's (every stored byte equal, full and rest
+    launches); then ``check_written_zeros``. A join that wraps makes those masters NaN."""
+    hp = dict(HP, lr=lr, weight_decay=0.0)
+    out = []
+    for use_triton in (True, False):
+        p, rem, zero = written_zeros(4133, 12)
+        st = C.init_coded_state(p, exp_avg_dtype=U8, exp_avg_sq_dtype=BF, store_param_remainders=True)
+        st["master_remainder"].copy_(rem)
+        g = grads(5, 0, [p])
+        if use_triton:
+            adam_step_coded_triton([p], g, [st], [0], **hp)
+        else:
+            C.adam_step_coded(p, g[0], st, seed=0, bf16_rounding="stochastic", **hp)
+        out.append(([p], [st]))
+    assert_equal(*out[0], *out[1])
+    p, r = out[0][0][0], out[0][1][0]["master_remainder"]
+    check_written_zeros(p, r, zero, rem, lr)

@@ -343,6 +343,25 @@ def test_remainder_split_join_every_class():
     assert int(lossy[-13 - 10 * 65536:-13].sum()) == int(n_even)        # exactly one lossy pattern per even high half
 
 
+def test_remainder_join_saturates_at_zero():
+    """A bf16 parameter written to +-0 outside the optimizer keeps its old remainder ([Note: state codecs] 4):
+    the join is +-0 under a negative remainder (the wrapping join, the negative control, is NaN there) and the
+    subnormal sign | rem under a positive one; every join rounds back to the parameter (except the exact tie
+    -32768 under an odd value, which rounds to its even neighbour), and split pairs still join exactly
+    (test_remainder_split_join_every_class)."""
+    from _codec_controls import written_zeros
+    p, rem, zero = written_zeros(4133, 7)
+    hi = p.view(torch.int16).to(torch.int64) & 0xFFFF
+    r = rem.to(torch.int64)
+    back = C.join_remainder(p, rem).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    assert torch.equal(back[zero], (hi << 16)[zero] | r[zero].clamp(min=0))
+    rounds = ~(((hi & 1) == 1) & (r == -32768))
+    assert torch.equal(C.join_remainder(p, rem).bfloat16()[rounds].view(torch.int16), p[rounds].view(torch.int16))
+    wrap = (((hi << 16) + r) & 0xFFFFFFFF)
+    wrapped = (wrap - ((wrap & 0x80000000) << 1)).to(torch.int32).view(torch.float32)
+    assert bool(wrapped[zero & (r < 0)].isnan().all()) and int((zero & (r < 0)).sum()) > 1000
+
+
 def test_remainder_negative_control():
     """Truncation instead of nearest-even (or a join that forgets the sign of the remainder) fails."""
     m = bit_patterns()

@@ -20,7 +20,7 @@ import zero_kernels as zk
 from zero_kernels import _coded_host, _ext
 from zero_kernels import codecs as C
 
-from _codec_controls import WRONG
+from _codec_controls import WRONG, check_written_zeros, written_zeros
 
 CPP = _ext.cpu_module()
 pytestmark = pytest.mark.skipif(CPP is None and os.environ.get("ZK_REQUIRE_CPU") != "1",
@@ -133,6 +133,37 @@ def test_remainder_split_on_ties_and_special_values(n):
         kernel_step(runs[0][0], gs, runs[0][1], [0], hp)
         reference_step(runs[1][0], gs, runs[1][1], [0], hp)
     assert_equal(runs[0][0], runs[0][1], runs[1][0], runs[1][1])
+
+
+def written_zero_case(step, mv, hp_name, lr):
+    """Parameters written to +-0 outside the optimizer with their old remainders kept (``written_zeros``), one
+    step by ``step`` (kernel or reference) with moments ``mv``; returns (params, states, the written elements,
+    their old remainders)."""
+    hp = dict(HP[hp_name], lr=lr)
+    p, rem, zero = written_zeros(4133, 11)
+    st = C.init_coded_state(p, exp_avg_dtype=mv[0], exp_avg_sq_dtype=mv[1], store_param_remainders=True)
+    st["master_remainder"].copy_(rem)
+    gs = grads_for(4, 0, [p], BF)
+    step([p], gs, [st], [0], hp)
+    return [p], [st], zero, rem
+
+
+WRITTEN_ZERO_MOMENTS = {"u8": (U8, U8), "bf16": (BF, BF), "u8/bf16": (U8, BF)}
+
+
+@pytest.mark.parametrize("mv", list(WRITTEN_ZERO_MOMENTS))
+@pytest.mark.parametrize("hp_name", ["adamw", "l2"])
+@pytest.mark.parametrize("lr", [0.0, 1e-2])
+def test_parameters_written_to_zero_join_to_zero(mv, hp_name, lr):
+    """[Note: state codecs] 4: a bf16 parameter written to +-0 outside the optimizer (``p.data``) keeps its old
+    remainder; the join saturates at +-0 as the reference's does (every stored byte equal: the 16-bit-lane
+    pair joins of AVX-512 / AVX2 in the 8-bit and bf16 fused blocks, zk_c_join1 in the general block, the L2
+    term and the scalar path); then ``check_written_zeros``. A join that wraps makes those masters NaN."""
+    ps, states, zero, rem = written_zero_case(kernel_step, WRITTEN_ZERO_MOMENTS[mv], hp_name, lr)
+    qs, refs, _, _ = written_zero_case(reference_step, WRITTEN_ZERO_MOMENTS[mv], hp_name, lr)
+    assert_equal(ps, states, qs, refs)
+    p, r = ps[0], states[0]["master_remainder"]
+    check_written_zeros(p, r, zero, rem, lr)
 
 
 def test_nan_masters_stay_nan_in_the_bf16_parameter():
@@ -252,6 +283,10 @@ ISA_SCRIPT = textwrap.dedent("""
     # the special-value tests, on this path (the 16-bit-lane pair ops differ between AVX-512 and AVX2)
     T.test_remainder_split_on_ties_and_special_values(4133)
     T.test_nan_masters_stay_nan_in_the_bf16_parameter()
+    for mv in T.WRITTEN_ZERO_MOMENTS:
+        for hp_name in ("adamw", "l2"):
+            T.test_parameters_written_to_zero_join_to_zero(mv, hp_name, 0.0)
+            T.test_parameters_written_to_zero_join_to_zero(mv, hp_name, 1e-2)
     T.test_nan_and_inf_gradients("remainder", T.U8, T.U8)
     for m, v, layout, gdt in ((T.U8, T.U8, "remainder", T.BF), (T.F8, T.BF, "fp32", T.F32),
                               (T.BF, T.F8, "fp16+master", T.F16), (T.F32, T.U8, "bf16+master", T.BF),

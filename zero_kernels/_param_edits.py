@@ -15,8 +15,9 @@ from ._launch_plan import local
 # fp32; ``master_remainder``: the bf16 bits plus an int16 remainder) and the update starts from the master.
 # torch.optim.AdamW starts from the parameter, so a write to it between steps (``model.load_state_dict``,
 # ``torch.nn.init.*_``, pruning ``with torch.no_grad(): p.mul_(mask)``, weight surgery) is what the next step
-# continues from. Here such a write would be lost (an fp32 master overwrites it at the next step), or worse:
-# with remainders, a parameter set to +-0 (or +-inf) joined to a remainder of the other sign is a NaN master.
+# continues from. Here such a write would be lost (an fp32 master overwrites it at the next step); with
+# remainders the master joined from the written bf16 bits and the old remainder rounds back to the written
+# value (the join saturates at +-0: [Note: state codecs] 4) but carries a stale fraction of a bf16 ulp.
 # So every step records the version counter (``p._version``, bumped by every in-place write through torch) of
 # each parameter whose state holds a master, and the next step, before any update, ADOPTS the parameter of
 # every changed one, element by element: a master that still rounds (to nearest even) to the parameter is

@@ -84,7 +84,7 @@ Integer arithmetic below is on uint32 (wrapping); here it runs on int64 tensors 
 
        hi  = (b + 0x7FFF + ((b >> 16) & 1)) >> 16       # round-to-nearest-even: torch's .bfloat16()
        rem = b - (hi << 16)                              # in [-0x8000, 0x8000], stored as int16
-       join: b = (hi << 16) + rem   (int32 wrap)
+       join: b = (hi << 16) + rem   (int32 wrap), rem taken as 0 where it is < 0 and hi is +-0
 
    ``hi`` is exactly the bf16 parameter an fp32-master run writes. By counting, no int16 can hold all
    of it: an even ``hi`` is the nearest-even rounding of 65537 fp32 patterns (both ties), so one case
@@ -95,6 +95,13 @@ Integer arithmetic below is on uint32 (wrapping); here it runs on int64 tensors 
    so their bf16 parameter differs from round-to-nearest-even at half the ties. Measured on the
    quality-run model (437,760 bf16 params), about 1 in 10^5 element-steps hits the lossy tie; the bf16
    parameters of the two runs stayed identical for 37 steps, then a nudged master rounded differently.
+   The join saturates at zero: a split never pairs ``hi = +-0`` with a negative ``rem`` (a master that
+   rounds to +-0 lies above it in magnitude), but a parameter written outside the optimizer (``p.data``,
+   which no version counter sees) keeps its old remainder, and ``(0 << 16) - 1`` would wrap to a NaN
+   master. With the rule the join of any written bf16 value is within half a bf16 ulp of it (+-0 at
+   most 0x7FFF fp32 subnormal ulps from it) and rounds back to it (but for an exact tie, -0x8000 under
+   an odd value): such writes stand even without ``refresh_fp32_params()``, and every split pattern
+   still joins bit for bit. (A parameter written to +-inf with a positive remainder still joins to NaN.)
 """
 from __future__ import annotations
 
@@ -336,7 +343,9 @@ def split_remainder(master: Tensor) -> tuple[Tensor, Tensor]:
 def join_remainder(param: Tensor, rem: Tensor) -> Tensor:
     """(bf16 parameter, int16 remainder) -> the fp32 master, exactly."""
     hi = param.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
-    b = ((hi << 16) + rem.to(torch.int64)) & M32
+    r = rem.to(torch.int64)
+    r = torch.where((hi & 0x7FFF == 0) & (r < 0), 0, r)          # saturate at +-0 (see the Note, 4)
+    b = ((hi << 16) + r) & M32
     return (b - ((b & 0x80000000) << 1)).to(torch.int32).view(torch.float32)
 
 

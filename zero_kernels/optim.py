@@ -274,7 +274,9 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         16-bit parameter, element by element ([Note: parameters edited outside the optimizer] in
         ``_param_edits.py``). Writes through torch (``model.load_state_dict``, ``torch.nn.init``, ``with
         torch.no_grad(): p.mul_(mask)``) are adopted by the next step without this call; writes through
-        ``p.data`` bypass the version counter: call this after them (DeepSpeed's name for the same)."""
+        ``p.data`` bypass the version counter: call this after them (DeepSpeed's name for the same). Without it
+        an fp32 master undoes such a write at the next step; a remainder keeps it, joined to a stale fraction
+        of a bf16 ulp."""
         for p, st in self.state.items():
             _param_edits.adopt(p, st)
         self._watch = _param_edits.watch(self.state)

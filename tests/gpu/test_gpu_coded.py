@@ -8,7 +8,8 @@ each master layout (fp32 parameters, bf16 or fp16 parameters with an fp32 master
 remainders); sizes below one block, partial last blocks and several CUDA blocks; tensors below min_8bit_size (fp32
 moments in the same group: two layouts in one step); gradients at unaligned addresses (the kernels' element-wise
 path); fp32 / bf16 / fp16 gradients (with the parameters' dtype); GradScaler's grad_scale and a found_inf that skips the
-step; a NaN gradient (NaN block scales and codes); the arithmetic uint8 codes of [Note: state codecs] 2 at their edges
+step; a NaN gradient (NaN block scales and codes); parameters written to +-0 through ``p.data`` (the remainder
+join saturates); the arithmetic uint8 codes of [Note: state codecs] 2 at their edges
 (round-half-even ties of exp_avg, every exp_avg_sq code and values just above them, all-zero, subnormal
 and overflowing blocks, inf and NaN blocks, a partial last block).
 
@@ -236,3 +237,32 @@ def test_uint8_codes_at_their_edges(backend, master):
     scale = st["exp_avg_sq_scale"].view(torch.int32).tolist()
     assert scale[3] == 0 and scale[6] == 0x7F800000 and scale[7] == 0x7FC00000, [hex(x & 0xFFFFFFFF) for x in scale]
     assert int(st["exp_avg"][4 * 256:5 * 256].count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", [dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8), dict(exp_avg_dtype=BF, exp_avg_sq_dtype=BF),
+                                 dict(exp_avg_dtype=F32, exp_avg_sq_dtype=F32)], ids=["u8", "bf16", "f32"])
+def test_parameters_written_to_zero_through_data(backend, fmt):
+    """[Note: state codecs] 4: after two steps, every other element of each bf16 parameter is written to +-0
+    through ``p.data`` (no version counter, no refresh_fp32_params()): the old remainders stay, and the join
+    saturates at +-0 (a wrapping join makes NaN masters) as the reference's does; two more steps bit for bit,
+    no NaN, the written elements within two steps of 0."""
+    backend = _backend(backend)
+    fmt = dict(fmt, store_param_remainders=True, min_8bit_size=1)
+    runs = []
+    for b in (backend, "reference"):
+        params, opt = _run(b, BF, HP[0], fmt, steps=2)
+        for i, p in enumerate(params):
+            w = p.data.view(-1)
+            w[0::2] = torch.where(torch.arange(w[0::2].numel(), device="cuda") % 2 == 0, 0.0, -0.0).to(BF)
+        for t in (2, 3):
+            for p, g in zip(params, _grads(1, t, params)):
+                p.grad = g
+            opt.step()
+        torch.cuda.synchronize()
+        runs.append((params, opt))
+    _assert_same(runs[0], runs[1], f"{backend} {fmt} written zeros")
+    for p in runs[0][0]:
+        w = p.detach().float().view(-1)
+        # two Adam steps from 0: each at most lr (1 - beta1) / sqrt(1 - beta2) = 3.2 lr (the old values are ~1)
+        assert not w.isnan().any() and float(w[0::2].abs().max()) <= 2 * 3.2 * HP[0]["lr"]
