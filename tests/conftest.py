@@ -55,3 +55,19 @@ def pytest_configure(config):
     # pytest invocation (`-m perf`) after the functional suite (`-m "not perf"`).
     config.addinivalue_line("markers", "perf: timing or resident-memory assertion (run with -m perf)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped with a reason without one)")
+
+
+def pytest_collection_finish(session):
+    """[Note: background compiles] (tests/_background.py): each selected module's ``start_background``."""
+    selected = {}
+    for item in session.items:
+        mod = getattr(item, "module", None)
+        if mod is not None and hasattr(mod, "start_background"):
+            selected.setdefault(mod, set()).add(getattr(item, "originalname", None) or item.name)
+    for mod, names in selected.items():
+        mod.start_background(names)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import _background
+    _background.stop_all()

@@ -1,7 +1,8 @@
 """Every CUDA source in csrc/ compiles with nvcc for sm_80 and sm_90, without register spills.
 
 Runs on machines without a GPU (only the CUDA toolkit's nvcc is needed); skipped, saying so, where
-nvcc is absent. Two kinds of compile, started together and checked by separate tests:
+nvcc is absent. Two kinds of compile, started together right after collection (in the background:
+[Note: background compiles] in tests/_background.py) and checked by separate tests:
 
 * each ``csrc/*.cu`` as the build compiles it (``NVCC_FLAGS`` of zero_kernels/_build.py, torch's
   ``COMMON_NVCC_FLAGS``, ``-DZK_WITH_CUDA``), for sm_80 and sm_90, with ``-Xptxas -v``;
@@ -31,10 +32,10 @@ import re
 import runpy
 import shutil
 import subprocess
-import tempfile
-import time
 
 import pytest
+
+import _background
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
@@ -129,43 +130,46 @@ def _demangle(names: list[str]) -> dict[str, str]:
     return dict(zip(names, lines)) if len(lines) == len(names) else {n: n for n in names}
 
 
-@pytest.fixture(scope="module")
-def compiles():
-    """Start every compile at once (they are independent; nvcc is mostly single-threaded), then
-    collect {label: (returncode, output, seconds)}."""
-    tmp = tempfile.mkdtemp(prefix="zk_nvcc_")
+_KEEP_DIRS: dict[str, str] = {}   # label -> nvcc -keep directory: its PTX is checked by test_kernel_ptx_is_ieee
+_COMMANDS: dict[str, list[str]] = {}   # label -> nvcc command
+
+
+def start_background(selected=()):
+    """Start every compile at once ([Note: background compiles] in tests/_background.py: right after
+    collection, at nice 19; they are independent and nvcc is mostly single-threaded)."""
+    if NVCC is None or _COMMANDS:
+        return
+    tmp = _background.tempdir("zk_nvcc_")
     flags, cu_flags = _build_flags(), _build_flags(CU_ARCHS)
-    jobs = {}
     torch_inc = _torch_includes(tmp)
     for cu in CU_FILES:
-        cmd = [NVCC, "-c", *cu_flags, "-Xptxas", "-v", "-DZK_WITH_CUDA=1", f"-I{CSRC}",
-               *[f"-I{p}" for p in torch_inc], cu, "-o", os.path.join(tmp, os.path.basename(cu) + ".o")]
-        jobs[os.path.basename(cu)] = cmd
-    keep_dirs = {}   # label -> nvcc -keep directory: its PTX is checked by test_kernel_ptx_is_ieee
+        _COMMANDS[os.path.basename(cu)] = [
+            NVCC, "-c", *cu_flags, "-Xptxas", "-v", "-DZK_WITH_CUDA=1", f"-I{CSRC}",
+            *[f"-I{p}" for p in torch_inc], cu, "-o", os.path.join(tmp, os.path.basename(cu) + ".o")]
     for cuh in CUH_FILES:
         tu = _kernel_only_tu(tmp, cuh)
         label = os.path.basename(cuh) + " (without torch)"
-        keep_dirs[label] = os.path.join(tmp, os.path.basename(cuh) + ".keep")
-        os.makedirs(keep_dirs[label])
-        jobs[label] = [NVCC, "-c", *flags, "-Xptxas", "-v", "-keep", f"-keep-dir={keep_dirs[label]}",
-                       f"-I{CSRC}", tu, "-o", os.path.join(tmp, os.path.basename(cuh) + ".o")]
-    started = {k: (subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-                   time.time()) for k, c in jobs.items()}
+        _KEEP_DIRS[label] = os.path.join(tmp, os.path.basename(cuh) + ".keep")
+        os.makedirs(_KEEP_DIRS[label])
+        _COMMANDS[label] = [NVCC, "-c", *flags, "-Xptxas", "-v", "-keep", f"-keep-dir={_KEEP_DIRS[label]}",
+                            f"-I{CSRC}", tu, "-o", os.path.join(tmp, os.path.basename(cuh) + ".o")]
+    for label, cmd in _COMMANDS.items():
+        _background.start(f"nvcc {label}", cmd)
+
+
+@pytest.fixture(scope="module")
+def compiles():
+    """{label: (returncode, output, seconds, command)} of every compile, and {label PTX sm_XX: (.., ptx, ..)}."""
+    start_background()
     results = {}
-    for k, (proc, t0) in started.items():
-        try:
-            out, _ = proc.communicate(timeout=max(1.0, TIMEOUT_S - (time.time() - t0)))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-            out = f"TIMEOUT after {TIMEOUT_S}s\n{out}"
-        results[k] = (proc.returncode, out, time.time() - t0, " ".join(jobs[k]))
-        for ptx in glob.glob(os.path.join(keep_dirs[k], "*.compute_*.ptx")) if k in keep_dirs else ():
+    for k, cmd in _COMMANDS.items():
+        r = _background.result(f"nvcc {k}", timeout=TIMEOUT_S)
+        results[k] = (r.returncode, r.output, r.seconds, " ".join(cmd))
+        for ptx in glob.glob(os.path.join(_KEEP_DIRS[k], "*.compute_*.ptx")) if k in _KEEP_DIRS else ():
             arch = re.search(r"\.compute_(\d+)\.ptx$", ptx).group(1)
             with open(ptx) as f:
-                results[f"{k} PTX sm_{arch}"] = (proc.returncode, f.read(), 0.0, " ".join(jobs[k]))
-    yield results
-    shutil.rmtree(tmp, ignore_errors=True)
+                results[f"{k} PTX sm_{arch}"] = (r.returncode, f.read(), 0.0, " ".join(cmd))
+    return results
 
 
 def _check(label: str, results: dict, archs=ARCHS) -> None:
