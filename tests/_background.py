@@ -1,14 +1,16 @@
 """Long compiles of the suite run in the background at the lowest CPU priority.
 
 [Note: background compiles]
-Two tests wait on compilers: tests/test_nvcc.py (every CUDA source through nvcc, ~100 s of CPU) and
+Three tests wait on compilers: tests/test_nvcc.py (every CUDA source through nvcc, ~100 s of CPU),
+tests/test_codegen.py (every Triton kernel compiled to PTX for sm_80 / sm_90 by a worker process) and
 tests/test_cpu_kernel.py's test_jit_build_slow (the C++ extension JIT-built, ~110 s of CPU). Much of the
 suite is one Python process busy on one of the machine's two cores (the Triton interpreter, the
 reference path), so the compiles start right after collection, under ``nice 19``: they take the idle
 core's time and yield to the tests whenever both cores are busy; a test that needs a result waits for it
 (by then usually done). A test module opts in by defining ``start_background(selected)`` (``selected``: the
 names of its tests that were collected and selected); tests/conftest.py calls it once after collection,
-and kills whatever still runs at the end of the session. Output goes to files, not pipes (nvcc's ptxas
+runs the tests marked ``background`` (those that wait) after all others, so the compiles have the whole
+suite's idle time, and kills whatever still runs at the end of the session. Output goes to files, not pipes (nvcc's ptxas
 report could fill a pipe nobody reads yet).
 """
 from __future__ import annotations
@@ -49,13 +51,13 @@ def _lowest_priority() -> None:
     os.nice(19)
 
 
-def start(key: str, argv: list[str], env: dict | None = None) -> None:
+def start(key: str, argv: list[str], env: dict | None = None, cwd: str | None = None) -> None:
     """Start ``argv`` as job ``key`` at nice 19 (nothing if ``key`` was started already)."""
     if key in _jobs or key in _results:
         return
     log = os.path.join(tempdir("zk_bg_"), "output.txt")
     with open(log, "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, text=True,
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, text=True,
                                 preexec_fn=_lowest_priority)
     _jobs[key] = _Job(proc, log, time.time())
 

@@ -55,6 +55,13 @@ def pytest_configure(config):
     # pytest invocation (`-m perf`) after the functional suite (`-m "not perf"`).
     config.addinivalue_line("markers", "perf: timing or resident-memory assertion (run with -m perf)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped with a reason without one)")
+    config.addinivalue_line("markers", "background: waits on a compile started after collection (runs last; "
+                                       "[Note: background compiles] in tests/_background.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """[Note: background compiles]: the tests that wait on a background compile run last (stable otherwise)."""
+    items.sort(key=lambda item: item.get_closest_marker("background") is not None)
 
 
 def pytest_collection_finish(session):

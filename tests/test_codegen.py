@@ -261,7 +261,10 @@ if __name__ == "__main__":
 # ---------------------------------------------------------------------------------------------
 import pytest  # noqa: E402
 
+import _background  # noqa: E402
+
 triton = pytest.importorskip("triton", reason="triton is not installed: nothing to compile")
+pytestmark = pytest.mark.background
 
 
 def _listed_cases() -> list[tuple[str, int, str, dict]]:
@@ -298,17 +301,27 @@ def compiled(report, module, index, arch, description) -> dict:
     return r
 
 
+_REPORT_PATH: list[str] = []
+
+
+def start_background(selected=()):
+    """[Note: background compiles] (tests/_background.py): the worker starts right after collection."""
+    if _REPORT_PATH:
+        return
+    _REPORT_PATH.append(os.path.join(_background.tempdir("zk_codegen_"), "report.json"))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    _background.start("codegen", [sys.executable, os.path.abspath(__file__), _REPORT_PATH[0]], env=env, cwd=ROOT)
+
+
 @pytest.fixture(scope="module")
 def report():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "report.json")
-        res = subprocess.run([sys.executable, os.path.abspath(__file__), out], env=env, cwd=ROOT,
-                             capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
-        assert res.returncode == 0 and os.path.exists(out), (
-            f"codegen worker failed (rc={res.returncode})\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}")
-        with open(out) as f:
-            return json.load(f)
+    start_background()
+    res = _background.result("codegen", timeout=WORKER_TIMEOUT_S)
+    out = _REPORT_PATH[0]
+    assert res.returncode == 0 and os.path.exists(out), (
+        f"codegen worker failed (rc={res.returncode})\n{res.output[-6000:]}")
+    with open(out) as f:
+        return json.load(f)
 
 
 def test_kernel_modules_import(report):

@@ -466,6 +466,7 @@ def start_background(selected):
 
 
 @needs_ext
+@pytest.mark.background
 def test_jit_build_slow():
     """SLOW (~1 min compile, in the background: [Note: background compiles]): with the installed module
     hidden, the first use JIT-builds the same sources with the same flags into a fresh TORCH_EXTENSIONS_DIR,

@@ -52,9 +52,9 @@ if NVCC is None:
     if _home and os.path.exists(os.path.join(_home, "bin", "nvcc")):
         NVCC = os.path.join(_home, "bin", "nvcc")
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.background, pytest.mark.skipif(
     NVCC is None, reason="nvcc not found (not on PATH, no CUDA_HOME/bin/nvcc): the CUDA toolkit is "
-                         "needed to compile csrc/*.cu; this test does not need a GPU")
+                         "needed to compile csrc/*.cu; this test does not need a GPU")]
 
 CU_FILES = sorted(glob.glob(os.path.join(CSRC, "*.cu")))
 CUH_FILES = sorted(glob.glob(os.path.join(CSRC, "*.cuh")))

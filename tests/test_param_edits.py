@@ -183,7 +183,9 @@ def _zero_worker(rank, world):
     """ZeroAdamW stages 1-2, bf16 parameters with fp32 masters or remainders, world 2: (a) pruned elements continue
     from 0 (no NaN, within the steps' reach of it); (b) a write that changes nothing (model.load_state_dict of the
     model's own values: versions move, values do not) keeps every master: the run equals an untouched one bit for
-    bit."""
+    bit; (c) pruning through ``p.data`` then ``refresh_fp32_params()`` equals pruning through torch, bit for bit;
+    without the call an fp32 master undoes it (the negative control) while remainders keep it (the saturating
+    join, [Note: state codecs] 4: bit for bit again)."""
     def run(stage, fmt, edit):
         torch.manual_seed(0)
         m = net()
@@ -192,6 +194,10 @@ def _zero_worker(rank, world):
         for s in range(6):
             if s == 3 and edit == "prune":
                 prune(m, "torch")
+            if s == 3 and edit in ("data", "data+refresh"):
+                prune(m, "data")
+                if edit == "data+refresh":
+                    o.refresh_fp32_params()
             if s == 3 and edit == "reload":
                 m.load_state_dict(m.state_dict())
             g = torch.Generator().manual_seed(100 + s)
@@ -203,12 +209,19 @@ def _zero_worker(rank, world):
     for stage in (1, 2):
         for name in ("fp32 master", "remainders"):
             fmt = FORMATS[name]
-            pruned = run(stage, fmt, "prune")["0.weight"].float()
+            by_torch = run(stage, fmt, "prune")
+            pruned = by_torch["0.weight"].float()
             mask = torch.arange(pruned.numel()).reshape(pruned.shape) % 2 == 0
             assert not pruned.isnan().any(), (stage, name)
             assert pruned[~mask].abs().max() <= 3 * HP["lr"] * 1.01, (stage, name)
             same, untouched = run(stage, fmt, "reload"), run(stage, fmt, None)
             assert all(torch.equal(same[k], untouched[k]) for k in untouched), (stage, name)
+            refreshed, unseen = run(stage, fmt, "data+refresh"), run(stage, fmt, "data")
+            assert all(torch.equal(refreshed[k], by_torch[k]) for k in by_torch), (stage, name)
+            if name == "fp32 master":
+                assert unseen["0.weight"].float()[~mask].abs().max() > 2 * 3 * HP["lr"], (stage, name)
+            else:
+                assert all(torch.equal(unseen[k], by_torch[k]) for k in by_torch), (stage, name)
 
 
 def test_zero_stages_1_2_adopt_parameters_written_between_steps():

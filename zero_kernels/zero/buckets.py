@@ -136,11 +136,12 @@ class FlatBucket:
         leave them as they are)."""
         self.versions = [p._version for p in self.params]
 
-    def adopt_edits(self) -> None:
+    def adopt_edits(self, force: bool = False) -> None:
         """When a parameter was written through torch since ``record_versions`` (``model.load_state_dict``,
-        pruning, ``torch.nn.init``), bring this rank's master slice to its slice of the working parameters,
-        keeping every master that still rounds to its parameter."""
-        if [p._version for p in self.params] == self.versions or self.master_is_param:
+        pruning, ``torch.nn.init``), or whatever the counters say with ``force`` (writes through ``p.data``:
+        ``ZeroAdamW.refresh_fp32_params``), bring this rank's master slice to its slice of the working
+        parameters, keeping every master that still rounds to its parameter."""
+        if self.master_is_param or (not force and [p._version for p in self.params] == self.versions):
             return
         adopt_master(self.owned_params, self.master, self.remainder)
         self.record_versions()

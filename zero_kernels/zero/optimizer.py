@@ -261,6 +261,18 @@ class ZeroAdamW(torch.optim.Optimizer):
             self.scaling.load_state_dict(state_dict["scaling"])
         self.refresh_params()
 
+    @torch.no_grad()
+    def refresh_fp32_params(self) -> None:
+        """Adopt the working parameters into this rank's masters (stages 1-2: fp32 master slices or remainders)
+        element by element, as step() does by itself for writes through torch ([Note: parameters edited
+        outside the optimizer]): call it after writes through ``p.data``, which no version counter sees
+        (DeepSpeed's name). Not collective: each rank adopts the slice it owns, which the next all-gather
+        spreads, so every rank must have written the same values. Stage 3 keeps no parameters between steps:
+        nothing to adopt."""
+        self.wait_for_params()
+        for b in self.buckets:
+            b.adopt_edits(force=True)
+
     def refresh_params(self) -> None:
         """Collective: make the working parameters reflect the masters/shards after they were
         written (stages 1-2 all-gather, int8 codes with quantize_weights; stage 3 drops gathered

@@ -97,7 +97,7 @@ class UnitBucket(FlatBucket):
     def owned_params(self) -> Tensor:
         return self.shard
 
-    def adopt_edits(self) -> None:
+    def adopt_edits(self, force: bool = False) -> None:
         """Nothing to adopt: between steps the model holds empty placeholders ([Note: parameters edited
         outside the optimizer] in zero_kernels/_param_edits.py)."""
 
