@@ -53,7 +53,7 @@ def _lowest_priority() -> None:
 
 def start(key: str, argv: list[str], env: dict | None = None, cwd: str | None = None) -> None:
     """Start ``argv`` as job ``key`` at nice 19 (nothing if ``key`` was started already)."""
-    if key in _jobs or key in _results:
+    if started(key):
         return
     log = os.path.join(tempdir("zk_bg_"), "output.txt")
     with open(log, "w") as out:
@@ -63,6 +63,7 @@ def start(key: str, argv: list[str], env: dict | None = None, cwd: str | None = 
 
 
 def started(key: str) -> bool:
+    """Whether job ``key`` was started (running or collected)."""
     return key in _jobs or key in _results
 
 

@@ -459,7 +459,7 @@ JIT_SCRIPT = textwrap.dedent("""
 
 def start_background(selected):
     """[Note: background compiles]: the JIT build of test_jit_build_slow starts after collection."""
-    if "test_jit_build_slow" in selected and C is not None:
+    if "test_jit_build_slow" in selected and C is not None and not _background.started("jit build"):
         env = dict(os.environ, ZERO_KERNELS_FORCE_JIT="1", TORCH_EXTENSIONS_DIR=_background.tempdir("zk_jit_"))
         env.pop("ZERO_KERNELS_NO_JIT", None)
         _background.start("jit build", [sys.executable, "-c", JIT_SCRIPT], env=env)
