@@ -177,6 +177,7 @@ ZK_TGT static inline void zk_c_encode(int kind, bool V_, float* x, void* dst, fl
                                                Q::andi(Q::shr<20>(a), Q::set1i(1))));
         Q::I code = Q::seli(Q::gti(Q::set1i(121u << 23), a), small, normal);
         code = Q::seli(Q::gti(a, Q::set1i((1087u << 20) - 1)), Q::set1i(0x7F), code);
+        if (V_) code = Q::maxi(code, Q::seli(Q::eqi(a, Q::set1i(0)), Q::set1i(0), Q::set1i(1)));  // codecs.encode_f8_v
         Q::st_u8(static_cast<uint8_t*>(dst) + i, Q::ori(Q::andi(code, Q::set1i(0xFF)), sign));
       }
       return;
@@ -185,13 +186,15 @@ ZK_TGT static inline void zk_c_encode(int kind, bool V_, float* x, void* dst, fl
 }
 
 // bf16 parameter + int16 remainder -> fp32 master: bits = (hi << 16) + rem (int32 wrap), a negative rem
-// under hi = +-0 taken as 0 ([Note: state codecs] 4: a parameter written outside the optimizer keeps its
-// old remainder; the join must not wrap to NaN).
+// under hi = +-0 and a positive one under hi = +-inf taken as 0 ([Note: state codecs] 4: a parameter
+// written outside the optimizer keeps its old remainder; the join must not make it NaN).
 ZK_TGT static inline Q::F zk_c_join1(const uint16_t* hi, const int16_t* rem) {
   const Q::I h = Q::ld_u16(hi);
-  const Q::I r = Q::ld_i16(rem);
-  const Q::M zero = Q::eqi(Q::andi(h, Q::set1i(0x7FFF)), Q::set1i(0));
-  return Q::bf(Q::addi(Q::shl<16>(h), Q::seli(zero, Q::maxi(r, Q::set1i(0)), r)));
+  Q::I r = Q::ld_i16(rem);
+  const Q::I mag = Q::andi(h, Q::set1i(0x7FFF));
+  r = Q::seli(Q::eqi(mag, Q::set1i(0)), Q::maxi(r, Q::set1i(0)), r);
+  r = Q::seli(Q::eqi(mag, Q::set1i(0x7F80)), Q::mini(r, Q::set1i(0)), r);
+  return Q::bf(Q::addi(Q::shl<16>(h), r));
 }
 
 // fp32 master -> (bf16 = RNE(master), remainder = bits - (hi << 16), the tie 0x8000 kept as 0x7FFF;

@@ -136,9 +136,13 @@ struct Q {
   ZK_TGT static inline void join2(const uint16_t* hp, const int16_t* rp, F& x0, F& x1) {
     I r = qswap(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rp)));
     I h = qswap(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hp)));
-    // under hi = +-0 a negative rem counts as 0 (zk_c_join1): max(rem, 0) there, max(rem, -32768) elsewhere
-    const I zero = _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7FFF)), _mm256_setzero_si256());
+    // under hi = +-0 a negative rem counts as 0, under hi = +-inf a positive one (zk_c_join1): max(rem, 0)
+    // / min(rem, 0) there, max(rem, -32768) / min(rem, 32767) (no-ops) elsewhere
+    const I mag = _mm256_and_si256(h, _mm256_set1_epi16(0x7FFF));
+    const I zero = _mm256_cmpeq_epi16(mag, _mm256_setzero_si256());
+    const I inf = _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7F80));
     r = _mm256_max_epi16(r, _mm256_andnot_si256(zero, _mm256_set1_epi16(static_cast<short>(0x8000))));
+    r = _mm256_min_epi16(r, _mm256_andnot_si256(inf, _mm256_set1_epi16(0x7FFF)));
     h = _mm256_add_epi16(h, _mm256_cmpgt_epi16(_mm256_setzero_si256(), r));  // hi - 1 where rem < 0
     x0 = bf(_mm256_unpacklo_epi16(r, h));                                      // (hi << 16) | rem word
     x1 = bf(_mm256_unpackhi_epi16(r, h));
@@ -378,8 +382,11 @@ struct Q {
   ZK_TGT static inline void join2(const uint16_t* hp, const int16_t* rp, F& x0, F& x1) {
     const I r0 = _mm512_loadu_si512(rp);
     I h = _mm512_loadu_si512(hp);
-    // under hi = +-0 a negative rem counts as 0 (zk_c_join1)
-    const __mmask32 sat = _mm512_movepi16_mask(r0) & _mm512_testn_epi16_mask(h, _mm512_set1_epi16(0x7FFF));
+    // under hi = +-0 a negative rem counts as 0, under hi = +-inf a positive one (zk_c_join1)
+    const I mag = _mm512_and_si512(h, _mm512_set1_epi16(0x7FFF));
+    const __mmask32 sat =
+        (_mm512_movepi16_mask(r0) & _mm512_testn_epi16_mask(h, _mm512_set1_epi16(0x7FFF))) |
+        (_mm512_cmpgt_epi16_mask(r0, _mm512_setzero_si512()) & _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7F80)));
     const I r = _mm512_maskz_mov_epi16(~sat, r0);
     h = _mm512_mask_sub_epi16(h, _mm512_movepi16_mask(r), h, _mm512_set1_epi16(1));
     // word 2k of x0 / x1: rem k / rem 16 + k; word 2k + 1: hi k / hi 16 + k (index 32 + .. picks h)

@@ -301,8 +301,11 @@ __device__ __forceinline__ void store_moment(const float (&x)[kLaneElems], void*
     if constexpr (K == kMomF8) {     // codecs.encode_f8: scale = absmax / 448, code = e4m3fn(x / scale)
       scale = zk::cuda_adam::div_rn(__uint_as_float(block_max), kF8Max);
 #pragma unroll
-      for (int j = 0; j < kLaneElems; ++j)
-        raw[j] = encode_f8(scale == 0.0f ? 0.0f : zk::cuda_adam::div_rn(x[j], scale));
+      for (int j = 0; j < kLaneElems; ++j) {
+        const float y = scale == 0.0f ? 0.0f : zk::cuda_adam::div_rn(x[j], scale);
+        raw[j] = encode_f8(y);
+        if constexpr (kSq) raw[j] = (raw[j] == 0u && y != 0.0f) ? 1u : raw[j];   // codecs.encode_f8_v
+      }
     } else {                         // codecs.encode_m8 / encode_v8; any NaN scale is the canonical one
       scale = __uint_as_float(block_max > 0x7F800000u ? kCanonicalNaN : block_max);
       if constexpr (kSq) {
@@ -379,9 +382,10 @@ fused_adam_coded_kernel(const __grid_constant__ CodedTensorTable table,  // the 
     load8<uint16_t>(static_cast<const uint16_t*>(p16) + e0, vec, valid, raw);
     load8<uint16_t>(static_cast<const int16_t*>(master) + e0, vec, valid, rem);
 #pragma unroll
-    for (int j = 0; j < kLaneElems; ++j) {   // a negative rem under +-0 counts as 0 (codecs Note, 4)
-      const int32_t r = int32_t(int16_t(rem[j]));
-      p[j] = __uint_as_float((raw[j] << 16) + uint32_t((raw[j] & 0x7FFFu) == 0u ? max(r, 0) : r));
+    for (int j = 0; j < kLaneElems; ++j) {   // a negative rem under +-0 and a positive one under +-inf
+      const int32_t r = int32_t(int16_t(rem[j]));   // count as 0 (codecs Note, 4)
+      const uint32_t mag = raw[j] & 0x7FFFu;
+      p[j] = __uint_as_float((raw[j] << 16) + uint32_t(mag == 0u ? max(r, 0) : mag == 0x7F80u ? min(r, 0) : r));
     }
   } else {
     load8<uint32_t>(static_cast<const float*>(master) + e0, vec, valid, raw);

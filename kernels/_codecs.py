@@ -215,10 +215,12 @@ def decode_f8(c):
 @triton.jit
 def join_remainder(hi, rem):
     """(bf16 bits uint16, int16 remainder) -> the fp32 master ([Note: state codecs] 4; a negative remainder
-    under +-0 counts as 0: written parameters keep old remainders, and the join must not wrap to NaN)."""
+    under +-0 and a positive one under +-inf count as 0: written parameters keep old remainders, and the join
+    must not make them NaN)."""
     h = hi.to(tl.uint32)
     r = rem.to(tl.int32)
-    r = tl.where(((h & 0x7FFF) == 0) & (r < 0), 0, r)
+    mag = h & 0x7FFF
+    r = tl.where(((mag == 0) & (r < 0)) | ((mag == 0x7F80) & (r > 0)), 0, r)
     b = (h << 16) + r.to(tl.uint32, bitcast=True)
     return b.to(tl.float32, bitcast=True)
 

@@ -150,7 +150,10 @@ def _store_moment(x, root, ptr, scale_ptr, offs, mask, rows, numel, index_offset
         if KIND == 3:
             scale = block_absmax(x, mask)
             scale = tl.div_rn(scale, F8_MAX)
-            code = encode_f8(scaled(x, scale))
+            y = scaled(x, scale)
+            code = encode_f8(y)
+            if SQ:   # codecs.encode_f8_v: a nonzero v never codes to 0
+                code = tl.where((code == 0) & (y != 0), 1, code).to(tl.uint8)
         elif SQ:
             code, scale = encode_v8(root, mask)
         else:

@@ -1,7 +1,8 @@
 """Deliberately wrong 8-bit moment codecs for negative controls (tests/test_adam_coded.py,
 tests/test_cpu_coded.py): swapped into the reference step with ``monkeypatch.setitem(codecs._ENCODERS, ...)``,
 each makes the reference differ from a correct kernel, so a comparison that passes is not vacuous. Also
-``written_zeros``: bf16 parameters written to +-0 outside the optimizer, their old remainders kept."""
+``written_values``: bf16 parameters written to +-0 or +-inf outside the optimizer, their old remainders kept;
+``f8_floor_run``: float8 exp_avg_sq with v spanning more than e4m3fn's range in a block."""
 from __future__ import annotations
 
 import torch
@@ -36,30 +37,70 @@ WRONG = {"v8 square root": (("exp_avg_sq", torch.uint8), wrong_v8_sqrt),
          "m8 truncated": (("exp_avg", torch.uint8), wrong_m8_trunc)}
 
 
-def written_zeros(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(bf16 parameters, int16 remainders, mask): a third written +0 and a third -0 (as ``p.data.zero_()`` or
-    pruning through ``.data`` leaves them), the rest random; every remainder a random int16 (a written
-    parameter keeps the remainder of its old master: of either sign, -32768 included). A join that wraps turns
-    (+-0, negative remainder) into a NaN master; [Note: state codecs] 4 saturates it at +-0."""
+def written_values(n: int, seed: int, value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bf16 parameters, int16 remainders, mask): a third written ``+value`` and a third ``-value`` (0: as
+    ``p.data.zero_()`` or pruning through ``.data`` leaves them; inf: a blown-up write), the rest random; every
+    remainder a random int16 (a written parameter keeps the remainder of its old master: of either sign, -32768
+    and 32767 included). A join that wraps turns (+-0, negative remainder) and (+-inf, positive remainder) into
+    NaN masters; [Note: state codecs] 4 saturates them."""
     g = torch.Generator().manual_seed(seed)
     p = torch.randn(n, generator=g).to(torch.bfloat16)
     kind = torch.randint(0, 3, (n,), generator=g)
-    p[kind == 0] = 0.0
-    p[kind == 1] = -0.0
+    p[kind == 0] = value
+    p[kind == 1] = -value
     rem = torch.randint(-32768, 32768, (n,), generator=g, dtype=torch.int32).to(torch.int16)
     rem[:2] = -32768
-    p[:2] = torch.tensor([0.0, -0.0])
+    rem[2:4] = 32767
+    p[:4] = torch.tensor([value, -value, value, -value])
+    kind[:4] = torch.tensor([0, 1, 0, 1])
     return p, rem, kind < 2
 
 
-def check_written_zeros(p: torch.Tensor, remainder: torch.Tensor, zero: torch.Tensor, old_rem: torch.Tensor,
-                        lr: float) -> None:
-    """After one step from ``written_zeros`` (the kernel already compared with the reference): no NaN, the case
-    present (>1000 written zeros over a negative remainder); lr = 0: each written zero still 0 (-0 - 0 * u may
-    be +0, as in torch), its remainder max(old, 0); lr > 0: within one Adam step (<= lr) of 0."""
-    assert not p.isnan().any() and int((zero & (old_rem < 0)).sum()) > 1000
-    if lr == 0.0:
-        assert bool((p[zero] == 0).all())
-        assert torch.equal(remainder[zero], old_rem[zero].clamp(min=0))
-    else:
-        assert float(p[zero].float().abs().max()) <= lr * 1.01
+def check_written(p: torch.Tensor, remainder: torch.Tensor, written: torch.Tensor, before: torch.Tensor,
+                  old_rem: torch.Tensor, lr: float, value: float) -> None:
+    """After one step from ``written_values`` (``before``: its parameters; the kernel already compared with the
+    reference): no NaN, the case
+    present (>1000 written values over a remainder the wrapping join makes NaN).
+    value 0: lr = 0: each written zero still 0 (-0 - 0 * u may be +0, as in torch), its remainder max(old, 0);
+    lr > 0: within one Adam step (<= lr) of 0.
+    value inf: each written inf over a remainder >= 0 still that inf with remainder 0 (over a negative one the
+    master is finite above the largest bf16, as a split makes it: lr = 0 keeps it, rounding to that inf, its
+    remainder the old one); the sign of every written element kept."""
+    bad = old_rem < 0 if value == 0.0 else old_rem > 0
+    assert not p.isnan().any() and int((written & bad).sum()) > 1000
+    if value == 0.0:
+        if lr == 0.0:
+            assert bool((p[written] == 0).all())
+            assert torch.equal(remainder[written], old_rem[written].clamp(min=0))
+        else:
+            assert float(p[written].float().abs().max()) <= lr * 1.01
+        return
+    inf = written & ((old_rem >= 0) | (lr == 0.0))
+    assert bool(torch.isinf(p[inf]).all()) and torch.equal(torch.signbit(p[written]), torch.signbit(before[written]))
+    assert torch.equal(remainder[inf], old_rem[inf].clamp(max=0))
+
+
+def f8_floor_run(init, step, lr: float, sizes=(300, 4133), seed: int = 5):
+    """[Note: state codecs] 3, exp_avg_sq's float8 floor: fp32 parameters, two steps by ``step(ps, gs, states)``
+    from states ``init(p)``: gradients spanning 7 decades in every block (v: 14, far past e4m3fn's 2.3e5 under
+    the block max), then zero for about half the elements (an embedding row missing from a batch). Returns
+    (params before, params, states after step 1 (cloned), states); ``check_f8_floor`` checks them."""
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.randn(n, generator=g) for n in sizes]
+    before = [p.clone() for p in ps]
+    states = [init(p) for p in ps]
+    mags = [10.0 ** -(7 * torch.rand(n, generator=g)) * torch.randn(n, generator=g).sign() for n in sizes]
+    step(ps, mags, states)
+    first = [{k: v.clone() for k, v in st.items()} for st in states]
+    step(ps, [m * (torch.rand(m.shape, generator=g) < 0.5) for m in mags], states)
+    return before, ps, first, states
+
+
+def check_f8_floor(before, ps, first, lr: float) -> None:
+    """After ``f8_floor_run`` (the kernel already compared with the reference): the floor applied (> 100 codes 1
+    of nonzero v after step 1), and no element moved more than two Adam steps (~3.2 lr each, bias-corrected);
+    without the floor v codes to 0 there and m / (0 + eps) moves those elements by ~10^3 lr and more."""
+    ones = sum(int((st["exp_avg_sq"].view(torch.uint8) == 1).sum()) for st in first)
+    assert ones > 100, ones
+    moved = max(float((p - b).abs().max()) for p, b in zip(ps, before))
+    assert moved <= 2 * 3.5 * lr, moved / lr

@@ -6,6 +6,8 @@ moment codec (v coded in the square-root domain, m truncated instead of rounded)
 Triton device functions (kernels/_codecs.py) are also checked alone against codecs.encode_m8 / encode_v8 /
 decode_m8 / decode_v8 on edge cases: ties, all-zero, NaN and inf blocks, tiny and subnormal scales, partial
 last blocks."""
+import math
+
 import pytest
 import torch
 import triton
@@ -16,7 +18,7 @@ from zero_kernels.kernels._codecs import QBLOCK, decode_m8, decode_v8, encode_m8
 from zero_kernels.kernels.adam_coded import adam_step_coded_triton
 from zero_kernels.reference import sqrt_rn
 
-from _codec_controls import WRONG, check_written_zeros, written_zeros, wrong_v8_sqrt
+from _codec_controls import WRONG, check_f8_floor, check_written, f8_floor_run, written_values, wrong_v8_sqrt
 
 BF, U8, F8, F32 = torch.bfloat16, torch.uint8, torch.float8_e4m3fn, torch.float32
 SIZES = [1, 255, 256, 257, 1023, 1025, 4099, 5000]   # below a block, a block, partial blocks, two chunks
@@ -379,15 +381,18 @@ def test_codec_device_functions_on_random_blocks_and_decode_edge_scales():
     assert want_v.isinf().any() and want_m.isnan().any() and (want_m[3 * 256:5 * 256] != 0).any()
 
 
+@pytest.mark.parametrize("value", [0.0, math.inf])
 @pytest.mark.parametrize("lr", [0.0, 1e-2])
-def test_parameters_written_to_zero_join_to_zero(lr):
-    """[Note: state codecs] 4: bf16 parameters written to +-0 outside the optimizer (``p.data``) keep their old
-    remainders; the kernel's join saturates at +-0 as the reference's (every stored byte equal, full and rest
-    launches); then ``check_written_zeros``. A join that wraps makes those masters NaN."""
+def test_parameters_written_to_zero_or_inf_keep_them(value, lr):
+    """[Note: state codecs] 4: bf16 parameters written to +-0 or +-inf outside the optimizer (``p.data``) keep
+    their old remainders; the kernel's join saturates (a negative remainder under +-0, a positive one under
+    +-inf count as 0) as the reference's (every stored byte equal, full and rest launches); then
+    ``check_written``. A join that wraps makes those masters NaN."""
     hp = dict(HP, lr=lr, weight_decay=0.0)
     out = []
     for use_triton in (True, False):
-        p, rem, zero = written_zeros(4133, 12)
+        p, rem, written = written_values(4133, 12, value)
+        before = p.clone()
         st = C.init_coded_state(p, exp_avg_dtype=U8, exp_avg_sq_dtype=BF, store_param_remainders=True)
         st["master_remainder"].copy_(rem)
         g = grads(5, 0, [p])
@@ -398,4 +403,25 @@ def test_parameters_written_to_zero_join_to_zero(lr):
         out.append(([p], [st]))
     assert_equal(*out[0], *out[1])
     p, r = out[0][0][0], out[0][1][0]["master_remainder"]
-    check_written_zeros(p, r, zero, rem, lr)
+    check_written(p, r, written, before, rem, lr, value)
+
+
+@pytest.mark.parametrize("m_dtype", [F32, F8], ids=["m=fp32", "m=f8"])
+def test_f8_exp_avg_sq_floor(m_dtype):
+    """[Note: state codecs] 3: a nonzero v never codes to 0 in exp_avg_sq's float8: the Triton kernel's bits equal
+    the reference's over ``f8_floor_run`` (v spanning 14 decades per block, then a zero gradient for half of the
+    elements), and ``check_f8_floor`` (its negative control is in tests/test_cpu_coded.py)."""
+    init = lambda p: C.init_coded_state(p, exp_avg_dtype=m_dtype, exp_avg_sq_dtype=F8)   # noqa: E731
+    kw = dict(lr=HP["lr"], beta1=HP["beta1"], beta2=HP["beta2"], eps=HP["eps"], weight_decay=HP["weight_decay"],
+              adamw=HP["adamw"])
+
+    def triton_step(ps, gs, states):
+        adam_step_coded_triton(ps, gs, states, list(range(len(ps))), **kw)
+
+    def reference_step(ps, gs, states):
+        for i, (p, g, s) in enumerate(zip(ps, gs, states)):
+            C.adam_step_coded(p, g, s, seed=i, **HP)
+
+    runs = [f8_floor_run(init, s, HP["lr"]) for s in (triton_step, reference_step)]
+    assert_equal(runs[0][1], runs[0][3], runs[1][1], runs[1][3])
+    check_f8_floor(*runs[0][:3], HP["lr"])

@@ -2,6 +2,7 @@
 codecs]), with negative controls, and the coded reference step against fused_adam_ref / torch AdamW.
 Independent oracles: the hash in Python integers, nearest code by brute-force argmin, block scales by a
 loop over blocks, torch's own fp32 -> bf16 cast."""
+import math
 import random
 
 import pytest
@@ -308,6 +309,24 @@ def test_f8_negative_control():
     assert float((C.decode_f8(wrong, scale) - x).abs().max()) > 0.3
 
 
+def test_f8_exp_avg_sq_never_decodes_nonzero_to_zero():
+    """[Note: state codecs] 3: exp_avg_sq's float8 code (encode_f8_v) stores a nonzero v whose e4m3fn code is 0
+    (more than 2.3e5 under its block's largest) as 1, the smallest subnormal; every other code is encode_f8's.
+    The negative control: encode_f8 (exp_avg's code) codes those to 0."""
+    x = torch.rand(4133, generator=gen(42)) * 10.0 ** -(12 * torch.rand(4133, generator=gen(43)))
+    x[::7] = 0.0
+    codes, scale = C.encode_f8_v(x)
+    plain, scale0 = C.encode_f8(x)
+    assert torch.equal(scale, scale0)
+    c, c0 = codes.view(torch.uint8), plain.view(torch.uint8)
+    floored = (c0 == 0) & (x != 0)
+    assert int(floored.sum()) > 1000                                  # the case is present
+    assert torch.equal(c, torch.where(floored, 1, c0).to(torch.uint8))
+    dq = C.decode_f8(codes, scale)
+    assert bool((dq[x != 0] > 0).all()) and bool((dq[x == 0] == 0).all())
+    assert bool((C.decode_f8(plain, scale)[floored] == 0).all())      # the negative control
+
+
 # ---------------------------------------------------------------- bf16 parameter + int16 remainder
 def bit_patterns():
     """Every class: random normals, subnormals, +-0, +-inf, NaNs, both ties, the largest finite values,
@@ -343,23 +362,26 @@ def test_remainder_split_join_every_class():
     assert int(lossy[-13 - 10 * 65536:-13].sum()) == int(n_even)        # exactly one lossy pattern per even high half
 
 
-def test_remainder_join_saturates_at_zero():
-    """A bf16 parameter written to +-0 outside the optimizer keeps its old remainder ([Note: state codecs] 4):
-    the join is +-0 under a negative remainder (the wrapping join, the negative control, is NaN there) and the
-    subnormal sign | rem under a positive one; every join rounds back to the parameter (except the exact tie
-    -32768 under an odd value, which rounds to its even neighbour), and split pairs still join exactly
-    (test_remainder_split_join_every_class)."""
-    from _codec_controls import written_zeros
-    p, rem, zero = written_zeros(4133, 7)
+@pytest.mark.parametrize("value", [0.0, math.inf])
+def test_remainder_join_saturates_at_zero_and_inf(value):
+    """A bf16 parameter written to +-0 or +-inf outside the optimizer keeps its old remainder ([Note: state
+    codecs] 4): the join is +-0 under a negative remainder and the subnormal sign | rem under a positive one;
+    +-inf under a positive remainder and the finite (hi << 16) + rem above the largest bf16 under a negative
+    one (as a split makes it); the wrapping join, the negative control, is NaN at the saturated elements. Every
+    join rounds back to the parameter (except the exact tie -32768 under an odd value, which rounds to its
+    even neighbour), and split pairs still join exactly (test_remainder_split_join_every_class)."""
+    from _codec_controls import written_values
+    p, rem, written = written_values(4133, 7, value)
     hi = p.view(torch.int16).to(torch.int64) & 0xFFFF
     r = rem.to(torch.int64)
     back = C.join_remainder(p, rem).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    assert torch.equal(back[zero], (hi << 16)[zero] | r[zero].clamp(min=0))
+    sat = written & ((r < 0) if value == 0.0 else (r > 0))
+    assert torch.equal(back[written], ((hi << 16) + torch.where(sat, 0, r))[written] & 0xFFFFFFFF)
     rounds = ~(((hi & 1) == 1) & (r == -32768))
     assert torch.equal(C.join_remainder(p, rem).bfloat16()[rounds].view(torch.int16), p[rounds].view(torch.int16))
     wrap = (((hi << 16) + r) & 0xFFFFFFFF)
     wrapped = (wrap - ((wrap & 0x80000000) << 1)).to(torch.int32).view(torch.float32)
-    assert bool(wrapped[zero & (r < 0)].isnan().all()) and int((zero & (r < 0)).sum()) > 1000
+    assert bool(wrapped[sat].isnan().all()) and int(sat.sum()) > 1000
 
 
 def test_remainder_negative_control():

@@ -542,11 +542,35 @@ def test_bad_parameters_raise():
         zk.FusedAdamW([torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))])
     with pytest.raises((ValueError, RuntimeError), match="floating"):
         zk.FusedAdamW([torch.zeros(3, dtype=torch.int64)])
+    with pytest.raises(ValueError, match=r"params\[1\] has dtype torch.float64; FusedAdamW computes in fp32"):
+        zk.FusedAdamW([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3, dtype=torch.float64))])
     p = torch.nn.Parameter(torch.randn(3))
     with pytest.raises(ValueError, match="more than one parameter group"):
         zk.FusedAdamW([{"params": [p]}, {"params": [p]}])
     with pytest.raises(ValueError, match="mixes devices"):
         zk.FusedAdamW([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3, device="meta"))])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", [{}, dict(exp_avg_dtype=torch.uint8)], ids=["fp32 states", "8-bit"])
+def test_model_cast_to_float64_after_construction_raises(backend, fmt):
+    """float64 parameters would be stepped in fp32 (every backend and the reference compute in fp32), each update
+    rounded without a word (torch.optim.AdamW computes in float64): refused at construction (above) and, after
+    ``model.double()``, at step(), naming the parameter, before any state or parameter changes."""
+    m = torch.nn.Linear(7, 300)
+    opt = zk.FusedAdamW(m.parameters(), backend=backend, min_8bit_size=1, **fmt)
+    m(torch.randn(2, 7)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    m.double()
+    m(torch.randn(2, 7, dtype=torch.float64)).sum().backward()
+    before = [p.detach().clone() for p in m.parameters()]
+    states = copy.deepcopy(opt.state_dict()["state"])
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] has dtype torch.float64.*torch.optim.AdamW"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), before))
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(after[i][k], states[i][k]) for i in states for k in states[i])
 
 
 def test_parameter_listed_twice_in_a_group_raises():

@@ -227,6 +227,48 @@ def test_bad_state_raises_before_any_change():
     assert all(torch.equal(bits(v), bits(o.state[ps[0]][k])) for k, v in before[1].items())
 
 
+def test_amsgrad_set_on_a_group_later_raises_before_any_change():
+    """amsgrad is refused with coded states at construction, add_param_group and load_state_dict; set on a
+    param group afterwards it was ignored without a word (plain AdamW ran). Now step() refuses it, naming the
+    group, before anything changes; the step runs again once it is unset."""
+    ps = params_of(8, F32, [(300,), (20,)])
+    o = zk.FusedAdamW(ps, exp_avg_dtype=U8, backend="reference")
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    o.step()
+    before = [p.detach().clone() for p in ps], {k: v.clone() for k, v in o.state[ps[0]].items()}
+    o.param_groups[0]["amsgrad"] = True
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: amsgrad=True is not supported with coded states"):
+        o.step()
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(before[0], ps))
+    assert all(torch.equal(bits(v), bits(o.state[ps[0]][k])) for k, v in before[1].items())
+    o.param_groups[0]["amsgrad"] = False
+    o.step()
+    assert float(o.state[ps[0]]["step"]) == 2.0
+
+
+@pytest.mark.parametrize("cast", [(F32, BF), (BF, F32)], ids=["fp32->bf16", "bf16->fp32"])
+def test_model_cast_after_steps_says_so_and_the_rebuild_it_names_works(cast):
+    """Coded states are laid out for the parameter's dtype (a 16-bit parameter has a master): a model cast after
+    steps is refused at step() (before any change) with a message naming the cast and the two ways on; the
+    second (a new optimizer over the cast model, loading this one's state_dict) runs."""
+    m = torch.nn.Linear(7, 300).to(cast[0])
+    o = zk.FusedAdamW(m.parameters(), exp_avg_dtype=U8, exp_avg_sq_dtype=U8, backend="cpu")
+    m(torch.randn(2, 7, dtype=cast[0])).float().sum().backward()
+    o.step()
+    o.zero_grad()
+    m.to(cast[1])
+    m(torch.randn(2, 7, dtype=cast[1])).float().sum().backward()
+    with pytest.raises(RuntimeError, match=r"\['params'\]\[0\] is torch\..* now, but its coded state was made for a "
+                       r"(float32|16-bit) parameter.*cast it back, or make a new optimizer"):
+        o.step()
+    assert float(o.state[m.weight]["step"]) == 1.0
+    o2 = zk.FusedAdamW(m.parameters(), exp_avg_dtype=U8, exp_avg_sq_dtype=U8, backend="cpu")
+    o2.load_state_dict(o.state_dict())
+    o2.step()
+    assert float(o2.state[m.weight]["step"]) == 2.0 and not any(p.isnan().any() for p in m.parameters())
+
+
 @pytest.mark.parametrize("backend", ["triton", "cpu"])
 @pytest.mark.parametrize("dtype", [BF, F32], ids=["bf16+rem", "fp32"])
 def test_cached_plan_equals_a_plan_rebuilt_every_step(backend, dtype):

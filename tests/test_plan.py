@@ -290,7 +290,10 @@ def test_state_formats_k(states, remainders, k, capsys):
     assert nb["master_bytes"] + nb["optim_bytes"] <= {12: 12, 8: 8}.get(round(k), 6.1 if not remainders else 4.1)
     argv = ["--params", "7e9", "--gpus", "8", "--states", states] + (["--remainders"] if remainders else [])
     assert main(argv) == 0
-    assert f"K = {k:.3g}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"K = {k:.3g}" in out
+    # the master's row names what it holds
+    assert ("master remainders (int16)" in out) == remainders and ("master params (fp32)" in out) != remainders
     # ZeRO-3 per-rank states follow K: 2Ψ params + 2Ψ grads + KΨ, over 8 ranks
     p = M.plan(7_000_000_000, 8, 3, states=states, remainders=remainders)
     assert p.model_states == pytest.approx((4 + k) * 7e9 / 8)

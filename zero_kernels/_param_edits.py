@@ -22,8 +22,13 @@ from ._launch_plan import local
 # each parameter whose state holds a master, and the next step, before any update, ADOPTS the parameter of
 # every changed one, element by element: a master that still rounds (to nearest even) to the parameter is
 # kept, extra bits and all (so unchanged elements, and a consistent checkpoint loaded in either order, lose
-# nothing); any other becomes the parameter's value (fp32 master), or loses its remainder (remainders: the
-# kept remainders are, by construction, the ones that round back to the parameter). The same adoption, of
+# nothing); any other becomes the parameter's value (fp32 master), or loses its remainder. A remainder keeps
+# no copy of the old bf16 value, so it cannot tell a written element from an unchanged one, and (the join
+# rounding back to any written value but an exact tie) nearly every remainder is kept: a written element's
+# master is the written value plus its old remainder, less than half a bf16 ulp off, where an fp32 master
+# would be the written value itself. The runs agree on the written value, not bit for bit after it (the
+# price of 2 bytes instead of 4; zeroing every remainder of a changed tensor instead would cost a
+# consistent checkpoint loaded optimizer-first its exact resume). The same adoption, of
 # every master, is ``refresh_fp32_params()`` (DeepSpeed's name): for writes through ``p.data``, which bypass
 # the version counter, and nothing else does. Not under torch.compile (the traced step reads no counter).
 # ZeroAdamW stages 1-2 do the same per bucket (``FlatBucket.adopt_edits``: this rank's master slice brought to

@@ -77,14 +77,20 @@ Integer arithmetic below is on uint32 (wrapping); here it runs on int64 tensors 
 3. **float8_e4m3fn blockwise** (``encode_f8`` / ``decode_f8``): the same 256-element blocks, one fp32
    ``scale = absmax / 448`` per block (448 = e4m3fn's largest finite value), ``code = e4m3fn(x / scale)``
    (IEEE division, then round-to-nearest-even into e4m3fn, torch's cast; y = 0 where scale == 0),
-   ``x' = float(code) * scale``. Signed for both moments (e4m3fn has a sign bit).
+   ``x' = float(code) * scale``. Signed for both moments (e4m3fn has a sign bit). exp_avg_sq
+   (``encode_f8_v``): a code 0 of a nonzero ``y`` is stored as 1 (the smallest subnormal, ``scale * 2^-9``),
+   so a nonzero v never decodes to 0 (short of an underflowing scale, absmax < 448 * 2^-149). e4m3fn spans
+   only 448 / 2^-9 = 2.3e5 under its block's largest v; a v further below it coded as 0 made the next
+   step with a small gradient m / (0 + eps), a parameter jump of ~10^4 lr (an embedding row missing from a
+   batch). With the floor such a v decodes too large, which shrinks that element's step instead.
 
 4. **bf16 parameter + int16 remainder** (``split_remainder`` / ``join_remainder``) for
    ``store_param_remainders``: with ``b`` = the master's fp32 bits,
 
        hi  = (b + 0x7FFF + ((b >> 16) & 1)) >> 16       # round-to-nearest-even: torch's .bfloat16()
        rem = b - (hi << 16)                              # in [-0x8000, 0x8000], stored as int16
-       join: b = (hi << 16) + rem   (int32 wrap), rem taken as 0 where it is < 0 and hi is +-0
+       join: b = (hi << 16) + rem   (int32 wrap), rem taken as 0 where it is < 0 and hi is +-0,
+                                      and where it is > 0 and hi is +-inf
 
    ``hi`` is exactly the bf16 parameter an fp32-master run writes. By counting, no int16 can hold all
    of it: an even ``hi`` is the nearest-even rounding of 65537 fp32 patterns (both ties), so one case
@@ -95,13 +101,15 @@ Integer arithmetic below is on uint32 (wrapping); here it runs on int64 tensors 
    so their bf16 parameter differs from round-to-nearest-even at half the ties. Measured on the
    quality-run model (437,760 bf16 params), about 1 in 10^5 element-steps hits the lossy tie; the bf16
    parameters of the two runs stayed identical for 37 steps, then a nudged master rounded differently.
-   The join saturates at zero: a split never pairs ``hi = +-0`` with a negative ``rem`` (a master that
-   rounds to +-0 lies above it in magnitude), but a parameter written outside the optimizer (``p.data``,
-   which no version counter sees) keeps its old remainder, and ``(0 << 16) - 1`` would wrap to a NaN
-   master. With the rule the join of any written bf16 value is within half a bf16 ulp of it (+-0 at
-   most 0x7FFF fp32 subnormal ulps from it) and rounds back to it (but for an exact tie, -0x8000 under
-   an odd value): such writes stand even without ``refresh_fp32_params()``, and every split pattern
-   still joins bit for bit. (A parameter written to +-inf with a positive remainder still joins to NaN.)
+   The join saturates at +-0 and +-inf: a split never pairs ``hi = +-0`` with a negative ``rem`` (a master
+   that rounds to +-0 lies above it in magnitude) nor ``hi = +-inf`` with a positive one (that master would
+   be NaN; finite masters above the largest bf16 do round to +-inf, with a negative ``rem``), but a
+   parameter written outside the optimizer (``p.data``, which no version counter sees) keeps its old
+   remainder, and ``(0 << 16) - 1`` or ``(0x7F80 << 16) + 1`` would make a NaN master. With the rule the
+   join of any written bf16 value is within half a bf16 ulp of it (+-0 at most 0x7FFF fp32 subnormal ulps
+   from it, +-inf exactly itself or a finite master that still rounds to it) and rounds back to it (but for
+   an exact tie, -0x8000 under an odd value): such writes stand even without ``refresh_fp32_params()``, and
+   every split pattern still joins bit for bit.
 """
 from __future__ import annotations
 
@@ -117,7 +125,7 @@ __all__ = [
     "BLOCK", "M32", "fmix32", "sr_key", "sr_bits", "encode_bf16_sr", "encode_bf16_rne",
     "dynamic_map", "CODE_BOOKS", "midpoints", "scaled_blocks", "encode_q8", "decode_q8",
     "M8_LEVELS", "V8_LEVELS", "V8_STEP_BITS", "block_absmax", "encode_m8", "decode_m8", "encode_v8", "decode_v8",
-    "F8_MAX", "encode_f8", "decode_f8",
+    "F8_MAX", "encode_f8", "encode_f8_v", "decode_f8",
     "split_remainder", "join_remainder", "remainder_is_lossy",
     "U8_CODE", "holds_u8_moments", "u8_code_problem",
     "state_layout", "init_coded_state", "state_nbytes", "decode_moment", "encode_moment", "adam_step_coded", "MOMENT_DTYPES",
@@ -317,12 +325,25 @@ def decode_v8(codes: Tensor, scale: Tensor) -> Tensor:
 F8_MAX = 448.0
 
 
-def encode_f8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """fp32 -> (float8_e4m3fn codes shaped like x, fp32 scales [ceil(numel / BLOCK)])."""
+def _encode_f8(x: Tensor, floor: bool) -> tuple[Tensor, Tensor]:
     xb = _blocks(x)
     scale = _div_const(xb.abs().amax(dim=1), F8_MAX)
-    y = torch.where(scale[:, None] == 0, 0.0, xb / scale[:, None])
-    return y.reshape(-1)[: x.numel()].to(torch.float8_e4m3fn).view(x.shape), scale
+    y = torch.where(scale[:, None] == 0, 0.0, xb / scale[:, None]).reshape(-1)[: x.numel()]
+    codes = y.to(torch.float8_e4m3fn).view(torch.uint8)
+    if floor:
+        codes = torch.where((codes == 0) & (y != 0), 1, codes).to(torch.uint8)
+    return codes.view(torch.float8_e4m3fn).view(x.shape), scale
+
+
+def encode_f8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 -> (float8_e4m3fn codes shaped like x, fp32 scales [ceil(numel / BLOCK)]); exp_avg's code."""
+    return _encode_f8(x, floor=False)
+
+
+def encode_f8_v(x: Tensor) -> tuple[Tensor, Tensor]:
+    """exp_avg_sq's float8 code: :func:`encode_f8`, but a code 0 of a nonzero ``x / scale`` becomes 1 (the
+    smallest subnormal, scale * 2^-9): a nonzero v never decodes to 0 (see the Note, 3)."""
+    return _encode_f8(x, floor=True)
 
 
 def decode_f8(codes: Tensor, scale: Tensor) -> Tensor:
@@ -344,7 +365,8 @@ def join_remainder(param: Tensor, rem: Tensor) -> Tensor:
     """(bf16 parameter, int16 remainder) -> the fp32 master, exactly."""
     hi = param.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
     r = rem.to(torch.int64)
-    r = torch.where((hi & 0x7FFF == 0) & (r < 0), 0, r)          # saturate at +-0 (see the Note, 4)
+    mag = hi & 0x7FFF
+    r = torch.where(((mag == 0) & (r < 0)) | ((mag == 0x7F80) & (r > 0)), 0, r)   # saturate (see the Note, 4)
     b = ((hi << 16) + r) & M32
     return (b - ((b & 0x80000000) << 1)).to(torch.int32).view(torch.float32)
 
@@ -462,7 +484,7 @@ def state_nbytes(state: dict[str, Tensor]) -> int:
 
 
 _ENCODERS = {("exp_avg", torch.uint8): encode_m8, ("exp_avg_sq", torch.uint8): encode_v8,
-             ("exp_avg", torch.float8_e4m3fn): encode_f8, ("exp_avg_sq", torch.float8_e4m3fn): encode_f8}
+             ("exp_avg", torch.float8_e4m3fn): encode_f8, ("exp_avg_sq", torch.float8_e4m3fn): encode_f8_v}
 _DECODERS = {("exp_avg", torch.uint8): decode_m8, ("exp_avg_sq", torch.uint8): decode_v8,
              ("exp_avg", torch.float8_e4m3fn): decode_f8, ("exp_avg_sq", torch.float8_e4m3fn): decode_f8}
 

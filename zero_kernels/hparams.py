@@ -20,7 +20,8 @@ from torch import Tensor
 
 from .codecs import BLOCK, MOMENT_DTYPES
 
-__all__ = ["validate_hparams", "scalar_lr", "as_float", "StateFormat", "validate_state_format", "check_param_format"]
+__all__ = ["validate_hparams", "scalar_lr", "as_float", "StateFormat", "validate_state_format", "check_param_format",
+           "check_coded_amsgrad"]
 
 
 def _finite_nonneg(x: Any) -> bool:
@@ -103,6 +104,12 @@ def check_param_format(fmt: StateFormat, i: int, p: Tensor, amsgrad: Any) -> Non
         raise ValueError(f"params[{i}] has dtype {p.dtype}; store_param_remainders=True needs bf16 parameters "
                          "(the fp32 master is kept as the bf16 bits plus an int16 remainder): put the other "
                          "parameters in another optimizer, or use store_param_remainders=False")
+    check_coded_amsgrad(fmt, "", amsgrad)
+
+
+def check_coded_amsgrad(fmt: StateFormat, where: str, amsgrad: Any) -> None:
+    """ValueError when amsgrad is asked of coded states: at construction, add_param_group, and each step (a
+    ``param_groups[i]["amsgrad"] = True`` set later would otherwise be ignored)."""
     if fmt.coded and amsgrad:
-        raise ValueError("amsgrad=True is not supported with coded states (exp_avg_dtype / exp_avg_sq_dtype / "
+        raise ValueError(f"{where}amsgrad=True is not supported with coded states (exp_avg_dtype / exp_avg_sq_dtype / "
                          "store_param_remainders): max_exp_avg_sq has no coded format; use amsgrad=False")

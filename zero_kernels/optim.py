@@ -17,8 +17,9 @@ from . import _param_edits, backends, codecs, optim_coded
 from ._launch_plan import GroupPlan, Launch, is_low_precision, local, packed_steps, signature, state_error
 from ._traced_step import TracedStep
 from .codecs import BLOCK
-from .optim_checks import check_distinct, check_grads, check_group_keys, check_scalars
-from .hparams import check_param_format, scalar_lr, validate_hparams as _validate_hparams, validate_state_format
+from .optim_checks import check_distinct, check_grads, check_group_keys, check_scalars, param_dtype_problem
+from .hparams import (check_coded_amsgrad, check_param_format, scalar_lr, validate_hparams as _validate_hparams,
+                      validate_state_format)
 from .reference import compute_coeffs
 
 __all__ = ["FusedAdam", "FusedAdamW"]
@@ -132,12 +133,9 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
             t = p[1] if isinstance(p, tuple) else p
             if not isinstance(t, Tensor):
                 continue  # torch raises its own TypeError below
-            if t.is_complex():
-                raise ValueError(f"params[{i}] is complex ({t.dtype}); {type(self).__name__} supports "
-                                 "real floating-point parameters only (view as real with torch.view_as_real)")
-            if not t.is_floating_point():
-                raise ValueError(f"params[{i}] has dtype {t.dtype}; optimizers need floating-point "
-                                 "parameters (integer tensors have no gradient)")
+            why = param_dtype_problem(t, type(self).__name__)
+            if why:
+                raise ValueError(f"params[{i}] {why}")
         tensors = [p[1] if isinstance(p, tuple) else p for p in params]
         check_distinct(len(self.param_groups), tensors)
         devices = {t.device for t in tensors if isinstance(t, Tensor)}
@@ -412,6 +410,7 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
             sig = signature(group["params"], grads)
             plan = self._plans.get(gi)
             check_scalars(gi, group)
+            check_coded_amsgrad(self._format, f"param_groups[{gi}]: ", group["amsgrad"])
             if isinstance(plan, optim_coded.CodedPlan) and plan.matches(sig, self._epoch):
                 plans[gi] = plan
             else:

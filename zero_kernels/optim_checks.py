@@ -41,6 +41,20 @@ def check_distinct(gi: int, tensors: list[Any]) -> None:
                              "lists a tied weight once")
 
 
+def param_dtype_problem(t: Tensor, optimizer: str) -> str | None:
+    """Why parameter ``t`` cannot be stepped by the fp32 kernels (its dtype), with the fix; None if it can."""
+    if t.is_complex():
+        return (f"is complex ({t.dtype}); {optimizer} supports real floating-point parameters only (view as real "
+                "with torch.view_as_real)")
+    if not t.is_floating_point():
+        return f"has dtype {t.dtype}; optimizers need floating-point parameters (integer tensors have no gradient)"
+    if t.dtype == torch.float64:
+        return (f"has dtype torch.float64; {optimizer} computes in fp32 (every backend, and the fp32 reference), "
+                "which would round each float64 update to fp32 without a word; use torch.optim.AdamW for "
+                "float64 parameters, or cast them to float32 / bfloat16 / float16")
+    return None
+
+
 def check_scalars(gi: int, group: dict[str, Any]) -> None:
     """Hyper-parameters the kernels take as fp32 must fit in fp32 (torch.optim.AdamW raises too); no
     optimizer-wide argument set on the group since (check_group_keys)."""
@@ -58,6 +72,9 @@ def check_grads(optimizer: str, gi: int, group: dict[str, Any], grads: list[Tens
         if g is None:
             continue
         where = f"param_groups[{gi}]['params'][{pi}]"
+        why = param_dtype_problem(p, optimizer)
+        if why:   # cast since construction (model.double())
+            raise ValueError(f"{where} {why}. Nothing was changed.")
         if g.is_sparse:
             raise RuntimeError(f"{where} has a sparse gradient; {optimizer} does not "
                                "support sparse gradients, please consider SparseAdam instead")

@@ -108,6 +108,14 @@ def state_problem(where: str, state: dict[str, Any], p: Tensor, fmt: StateFormat
                                exp_avg_sq_dtype=fmt.exp_avg_sq_dtype, store_param_remainders=fmt.store_param_remainders,
                                min_8bit_size=fmt.min_8bit_size)
     if state.keys() != want.keys():
+        for dt, name in ((torch.float32, "float32"), (torch.bfloat16, "16-bit")):   # 16-bit: with its master
+            was = codecs.state_layout(tuple(p.shape), dt, exp_avg_dtype=fmt.exp_avg_dtype,
+                                      exp_avg_sq_dtype=fmt.exp_avg_sq_dtype, store_param_remainders=False,
+                                      min_8bit_size=fmt.min_8bit_size)
+            if state.keys() == was.keys():
+                return (f"{where} is {p.dtype} now, but its coded state was made for a {name} parameter (the model "
+                        f"was cast after the optimizer's first step?): cast it back, or make a new optimizer over "
+                        "the cast model and load this one's state_dict() into it (the states convert)")
         return f"{where}: state keys {sorted(state)}, expected {sorted(want)} for {fmt}"
     for k, (dt, shape) in want.items():
         t = state[k]

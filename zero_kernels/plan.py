@@ -254,6 +254,8 @@ def _report(args, cfg, plans: list[M.PlanResult]) -> str:
         if key == "master_params" and not nb["master_bytes"]:
             continue
         label = f"{label} ({dt[key]})" if key in dt else label
+        if key == "master_params" and args.remainders:
+            label = "master remainders (int16)"
         row(label, [f"{getattr(p, key) / M.GB:,.2f}" for p in plans])
     row("= model states", [f"{p.model_states / M.GB:,.2f}" for p in plans])
     row("gather buffer (ZeRO-3)", [f"{p.gather_buffer / M.GB:,.2f}" for p in plans])

@@ -8,13 +8,15 @@ each master layout (fp32 parameters, bf16 or fp16 parameters with an fp32 master
 remainders); sizes below one block, partial last blocks and several CUDA blocks; tensors below min_8bit_size (fp32
 moments in the same group: two layouts in one step); gradients at unaligned addresses (the kernels' element-wise
 path); fp32 / bf16 / fp16 gradients (with the parameters' dtype); GradScaler's grad_scale and a found_inf that skips the
-step; a NaN gradient (NaN block scales and codes); parameters written to +-0 through ``p.data`` (the remainder
-join saturates); the arithmetic uint8 codes of [Note: state codecs] 2 at their edges
+step; a NaN gradient (NaN block scales and codes); parameters written to +-0 and +-inf through ``p.data`` (the remainder
+join saturates); float8 exp_avg_sq over 14 decades of v (its floor); the arithmetic uint8 codes of [Note: state codecs] 2 at their edges
 (round-half-even ties of exp_avg, every exp_avg_sq code and values just above them, all-zero, subnormal
 and overflowing blocks, inf and NaN blocks, a partial last block).
 
 Run on a GPU: ``TRITON_INTERPRET=0 python -m pytest tests/gpu/test_gpu_coded.py -q -rs``.
 """
+import math
+
 import pytest
 import torch
 
@@ -242,27 +244,67 @@ def test_uint8_codes_at_their_edges(backend, master):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", [dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8), dict(exp_avg_dtype=BF, exp_avg_sq_dtype=BF),
                                  dict(exp_avg_dtype=F32, exp_avg_sq_dtype=F32)], ids=["u8", "bf16", "f32"])
-def test_parameters_written_to_zero_through_data(backend, fmt):
+def test_parameters_written_to_zero_or_inf_through_data(backend, fmt):
     """[Note: state codecs] 4: after two steps, every other element of each bf16 parameter is written to +-0
-    through ``p.data`` (no version counter, no refresh_fp32_params()): the old remainders stay, and the join
-    saturates at +-0 (a wrapping join makes NaN masters) as the reference's does; two more steps bit for bit,
-    no NaN, the written elements within two steps of 0."""
+    and every fourth (from 1) to +-inf through ``p.data`` (no version counter, no refresh_fp32_params()): the
+    old remainders stay, and the join saturates (a negative remainder under +-0, a positive one under +-inf
+    count as 0; a wrapping join makes NaN masters) as the reference's does; two more steps bit for bit, no
+    NaN, the zeros within two steps of 0, every written inf over a remainder >= 0 still that inf."""
     backend = _backend(backend)
     fmt = dict(fmt, store_param_remainders=True, min_8bit_size=1)
     runs = []
     for b in (backend, "reference"):
         params, opt = _run(b, BF, HP[0], fmt, steps=2)
-        for i, p in enumerate(params):
+        kept = []
+        for p in params:
             w = p.data.view(-1)
             w[0::2] = torch.where(torch.arange(w[0::2].numel(), device="cuda") % 2 == 0, 0.0, -0.0).to(BF)
+            w[1::4] = torch.where(torch.arange(w[1::4].numel(), device="cuda") % 2 == 0, math.inf, -math.inf).to(BF)
+            kept.append((w[1::4].float(), opt.state[p]["master_remainder"].view(-1)[1::4] >= 0))
         for t in (2, 3):
             for p, g in zip(params, _grads(1, t, params)):
                 p.grad = g
             opt.step()
         torch.cuda.synchronize()
-        runs.append((params, opt))
-    _assert_same(runs[0], runs[1], f"{backend} {fmt} written zeros")
-    for p in runs[0][0]:
+        runs.append((params, opt, kept))
+    _assert_same(runs[0][:2], runs[1][:2], f"{backend} {fmt} written zeros and infs")
+    n_kept = 0
+    for p, (inf, kept) in zip(runs[0][0], runs[0][2]):
         w = p.detach().float().view(-1)
         # two Adam steps from 0: each at most lr (1 - beta1) / sqrt(1 - beta2) = 3.2 lr (the old values are ~1)
         assert not w.isnan().any() and float(w[0::2].abs().max()) <= 2 * 3.2 * HP[0]["lr"]
+        assert torch.equal(w[1::4][kept], inf[kept])
+        n_kept += int(kept.sum())
+    assert n_kept > 100
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("m_dtype", [F32, F8], ids=["m=fp32", "m=f8"])
+def test_f8_exp_avg_sq_floor(backend, m_dtype):
+    """[Note: state codecs] 3: a nonzero v never codes to 0 in exp_avg_sq's float8. Gradients spanning 7 decades
+    in every block (v: 14, past e4m3fn's 2.3e5), then zero for about half the elements: bit for bit the
+    reference's, codes 1 present, and no element moved more than two Adam steps (without the floor, m / (0 +
+    eps) moves them by ~10^3 lr and more)."""
+    backend = _backend(backend)
+    hp = {k: v for k, v in HP[0].items() if k != "adamw"}
+    runs = []
+    for b in (backend, "reference"):
+        g = torch.Generator(device="cuda").manual_seed(5)
+        params = [torch.nn.Parameter(torch.randn(n, generator=g, device="cuda")) for n in (300, 4133, 70001)]
+        before = [p.detach().clone() for p in params]
+        opt = zk.FusedAdamW(params, backend=b, exp_avg_dtype=m_dtype, exp_avg_sq_dtype=F8,
+                            min_8bit_size=1, **hp)
+        mags = [10.0 ** -(7 * torch.rand(p.shape, generator=g, device="cuda")) *
+                torch.randn(p.shape, generator=g, device="cuda").sign() for p in params]
+        for t in range(2):
+            for p, m in zip(params, mags):
+                p.grad = m if t == 0 else m * (torch.rand(m.shape, generator=g, device="cuda") < 0.5)
+            opt.step()
+            if t == 0:
+                ones = sum(int((opt.state[p]["exp_avg_sq"].view(torch.uint8) == 1).sum()) for p in params)
+        torch.cuda.synchronize()
+        runs.append((params, opt))
+        assert ones > 100, ones
+        moved = max(float((p.detach() - q).abs().max()) for p, q in zip(params, before))
+        assert moved <= 2 * 3.5 * hp["lr"], (b, moved / hp["lr"])
+    _assert_same(runs[0], runs[1], f"{backend} f8 exp_avg_sq floor")
