@@ -365,6 +365,31 @@ def test_tensor_lr_any_shape(stage):
     assert any(not torch.allclose(other[k], ref[k], rtol=1e-6, atol=1e-8) for k in ref)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("fmt", [{}, dict(exp_avg_dtype=torch.uint8)], ids=["fp32", "8-bit"])
+def test_amsgrad_set_on_a_group_later_raises(stage, fmt):
+    """max_exp_avg_sq is allocated at construction (coded states have none): amsgrad set on a param group later
+    ran plain Adam without a word. step() refuses it, naming the group, before anything changes; unset, it runs."""
+    model = make_model()
+    opt = zk.ZeroAdamW(model, stage=stage, lr=1e-2, backend="reference", **fmt)
+    for s in range(2):
+        if s == 1:
+            opt.param_groups[0]["amsgrad"] = True
+            before, steps = opt.full_model_state_dict(), list(opt.steps)
+        idx, tgt = batch(s, 1)
+        loss_fn(model, idx[:2], tgt[:2]).backward()
+        if s == 1:
+            with pytest.raises(ValueError, match=r"param_groups\[0\]\['amsgrad'\] is True, but ZeroAdamW was built "
+                               "without amsgrad.*Nothing was changed"):
+                opt.step()
+            after = opt.full_model_state_dict()
+            assert opt.steps == steps and all(torch.equal(after[k], before[k]) for k in before)
+            opt.param_groups[0]["amsgrad"] = False
+        opt.step()
+        opt.zero_grad()
+    assert opt.steps[0] == 2
+
+
 def test_load_state_dict_rejects_nonfinite_groups():
     _, opt = _single_step_params(1e-2)
     sd = opt.state_dict()

@@ -25,7 +25,7 @@ from .flat import flatten
 from ..hparams import StateFormat
 from ..layout import BucketSpec, Layout, Piece, dtype_from_name
 
-__all__ = ["check_bound", "FlatBucket", "OptimState", "ReduceState", "fill_flat", "master_from_originals"]
+__all__ = ["check_amsgrad", "check_bound", "FlatBucket", "OptimState", "ReduceState", "fill_flat", "master_from_originals"]
 
 
 class OptimState:
@@ -246,3 +246,21 @@ def check_bound(buckets: Sequence[FlatBucket]) -> None:
                 ".half(), .bfloat16(), .cuda()) or a parameter's .data was replaced after ZeroAdamW(...) was "
                 "constructed, so step() would update buffers the model no longer reads. Cast or move the model "
                 "before constructing ZeroAdamW (for 16-bit parameters pass param_dtype=torch.bfloat16).")
+
+
+def check_amsgrad(groups: Sequence[dict], buckets: Sequence[FlatBucket]) -> None:
+    """ValueError when a param group asks for amsgrad that the buckets were not built with: ``max_exp_avg_sq``
+    is allocated at construction (when some group has amsgrad then; coded states have none), so a
+    ``param_groups[i]["amsgrad"] = True`` set later would run plain Adam without a word."""
+    if any(b.amsgrad for b in buckets):
+        return
+    for gi, g in enumerate(groups):
+        if g.get("amsgrad", False):
+            coded = buckets[0].fmt.coded if buckets else False
+            raise ValueError(
+                f"param_groups[{gi}]['amsgrad'] is True, but ZeroAdamW was built without amsgrad: "
+                + ("coded states (exp_avg_dtype / exp_avg_sq_dtype / store_param_remainders) have no "
+                   "max_exp_avg_sq; set it back to False" if coded else
+                   "its max_exp_avg_sq buffers are allocated at construction; build ZeroAdamW with amsgrad=True "
+                   "(or with it in that group's param_groups=[...] entry)")
+                + ". Nothing was changed.")

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from .. import backends, checkpoint
 from ..hparams import validate_hparams
-from .buckets import check_bound
+from .buckets import check_amsgrad, check_bound
 from .build import bind, plan
 from .config import ZeroConfig
 from .mesh import resolve_mesh
@@ -190,6 +190,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.strategy.wait_for_params()                 # the step writes the slices the gathers read
         check_bound(self.buckets)                       # [Note: bound parameters] (buckets.py)
         check_frozen(self._frozen_named)                # a parameter unfrozen since construction
+        check_amsgrad(self.param_groups, self.buckets)  # set on a group since construction
         for b in self.buckets:                          # [Note: parameters edited outside the optimizer]
             b.adopt_edits()
         grad_scale = grad_scale if grad_scale is not None else getattr(self, "grad_scale", None)
