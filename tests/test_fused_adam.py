@@ -566,7 +566,8 @@ def test_model_cast_to_float64_after_construction_raises(backend, fmt):
     m(torch.randn(2, 7, dtype=torch.float64)).sum().backward()
     before = [p.detach().clone() for p in m.parameters()]
     states = copy.deepcopy(opt.state_dict()["state"])
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] has dtype torch.float64.*torch.optim.AdamW"):
+    with pytest.raises(ValueError,
+                       match=r"param_groups\[0\]\['params'\]\[0\] has dtype torch.float64.*torch.optim.AdamW"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(m.parameters(), before))
     after = opt.state_dict()["state"]

@@ -9,7 +9,8 @@ remainders); sizes below one block, partial last blocks and several CUDA blocks;
 moments in the same group: two layouts in one step); gradients at unaligned addresses (the kernels' element-wise
 path); fp32 / bf16 / fp16 gradients (with the parameters' dtype); GradScaler's grad_scale and a found_inf that skips the
 step; a NaN gradient (NaN block scales and codes); parameters written to +-0 and +-inf through ``p.data`` (the remainder
-join saturates); float8 exp_avg_sq over 14 decades of v (its floor); the arithmetic uint8 codes of [Note: state codecs] 2 at their edges
+join saturates); float8 exp_avg_sq over 14 decades of v (its floor); the arithmetic uint8 codes of [Note: state
+codecs] 2 at their edges
 (round-half-even ties of exp_avg, every exp_avg_sq code and values just above them, all-zero, subnormal
 and overflowing blocks, inf and NaN blocks, a partial last block).
 

@@ -25,7 +25,8 @@ from .flat import flatten
 from ..hparams import StateFormat
 from ..layout import BucketSpec, Layout, Piece, dtype_from_name
 
-__all__ = ["check_amsgrad", "check_bound", "FlatBucket", "OptimState", "ReduceState", "fill_flat", "master_from_originals"]
+__all__ = ["check_amsgrad", "check_bound", "FlatBucket", "OptimState", "ReduceState", "fill_flat",
+           "master_from_originals"]
 
 
 class OptimState:
