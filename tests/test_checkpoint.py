@@ -246,7 +246,8 @@ def test_consolidate_and_inspect(tmp_ckpt):
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     for s in ("stage 2, world size 4", "emb.weight (= head.weight)", "format_version" if False else "version 1",
-              "weight_decay=0.1", "shard-00003-of-00004.pt"):
+              "weight_decay=0.1", "shard-00003-of-00004.pt", "state format   exp_avg float32, exp_avg_sq float32, "
+              "master fp32"):
         assert s in r.stdout, (s, r.stdout)
     ref = torch.load(os.path.join(tmp, "4to2.ref.pt"), weights_only=True)
     full = torch.load(out, weights_only=True)
@@ -272,6 +273,25 @@ def test_consolidate_and_inspect(tmp_ckpt):
         torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-6, atol=1e-7, msg=lambda m: f"{k}: {m}")
     # ZeRO's own bookkeeping of the unused parameter: no torch state (never stepped).
     assert len(full["optimizer"]["state"]) == len(decay) + len(nodecay) - 1
+    # An output inside the checkpoint (its LATEST, a shard of a version directory) would replace a file of it:
+    # refused before anything is written, and the checkpoint still reads; a directory or a missing folder too.
+    from zero_kernels.checkpoint_format import resolve
+    from zero_kernels.checkpoint_tools import consolidate
+    vdir = resolve(root)
+    shard = os.path.join(vdir, "shard-00000-of-00004.pt")
+    sizes = {f: os.path.getsize(os.path.join(vdir, f)) for f in os.listdir(vdir)}
+    with open(os.path.join(root, "LATEST")) as f:
+        latest = f.read()
+    for bad, msg in [(os.path.join(root, "LATEST"), "lies inside the checkpoint"), (shard, "lies inside the checkpoint"),
+                     (tmp, "is a directory"), (os.path.join(tmp, "nowhere", "full.pt"), "does not exist")]:
+        with pytest.raises(ck.CheckpointError, match=msg):
+            consolidate(root, bad)
+    assert {f: os.path.getsize(os.path.join(vdir, f)) for f in os.listdir(vdir)} == sizes
+    with open(os.path.join(root, "LATEST")) as f:
+        assert f.read() == latest
+    r = subprocess.run([sys.executable, "-m", "zero_kernels.checkpoint", "consolidate", root, shard],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "error:" in r.stderr and "lies inside the checkpoint" in r.stderr, r.stderr
 
 
 def _snapshot(opt, model):

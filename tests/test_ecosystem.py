@@ -48,6 +48,11 @@ def _fsdp2_worker(rank, world, backend):
         assert any(not torch.equal(a, b) for a, b in zip(before, runs[name])), "params did not move"
     for a, b in zip(runs["zk"], runs["torch"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # Coded states on DTensor parameters are refused at construction (they crashed the C++ / Triton kernels,
+    # or raised after the step counters moved): per-tensor blocks that DCP could not reshard.
+    for fmt in (dict(exp_avg_dtype=torch.uint8), dict(exp_avg_dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match=r"params\[0\] is a DTensor .*keep fp32 states for FSDP2 models"):
+            zk.FusedAdamW(m.parameters(), backend=backend, **fmt)
 
 
 def _ddp_worker(rank, world, backend):

@@ -55,3 +55,11 @@ def test_zero_trainer_matches_ddp_trainer_and_resumes(tmp_path):
     # negative control: the step-3 weights differ from the final ones
     ck = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "z3" / "checkpoint-3")).state_dict()
     assert _max_diff(ck, z3) > 1e-3
+
+
+def test_zero_trainer_refuses_a_loss_scale():
+    """Trainer never multiplies the loss by zopt.scale_loss: a ZeroAdamW loss_scale would divide gradients that
+    were never scaled (grad norms 65536x small, clipping and the update off). Refused at construction."""
+    from zero_kernels.integrations.hf import ZeroTrainer
+    with pytest.raises(ValueError, match="loss_scale='dynamic' needs the loss multiplied"):
+        ZeroTrainer(zero_kwargs={"loss_scale": "dynamic"})

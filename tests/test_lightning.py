@@ -56,3 +56,28 @@ def test_registered_names_and_errors():
     m = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="leaves trainable parameters out"):
         to_zero_optimizer(torch.optim.AdamW([m.weight]), m, 2, {})
+    # the frameworks never multiply the loss by zopt.scale_loss: a loss_scale would divide unscaled gradients
+    msg = "loss_scale='dynamic' needs the loss multiplied by the ZeroAdamW's scale_loss"
+    with pytest.raises(ValueError, match=msg):
+        to_zero_optimizer(torch.optim.AdamW(m.parameters()), m, 2, {"loss_scale": "dynamic"})
+    with pytest.raises(ValueError, match=msg):
+        zl.ZeroStrategy(stage=2, zero_kwargs={"loss_scale": "dynamic"})
+
+
+def test_schedulers_follow_the_swapped_optimizer_children_included():
+    """A SequentialLR / ChainedScheduler keeps child schedulers on the optimizer they were built on: all are
+    re-pointed (left behind, they stepped the discarded optimizer and the new one's lr stayed frozen)."""
+    from torch.optim import lr_scheduler as S
+    from zero_kernels.integrations._translate import repoint_schedulers
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    old, new = torch.optim.AdamW(p, lr=1.0), torch.optim.AdamW(p, lr=1.0)
+    seq = S.SequentialLR(old, [S.LinearLR(old, 0.5, total_iters=2), S.StepLR(old, 1, 0.5)], milestones=[2])
+    chain = S.ChainedScheduler([S.ConstantLR(old, 0.5, total_iters=1)], optimizer=old)
+    new.param_groups[0]["initial_lr"] = old.param_groups[0]["initial_lr"]
+    new.param_groups[0]["lr"] = old.param_groups[0]["lr"]
+    repoint_schedulers([seq, chain], old, new)
+    assert all(s.optimizer is new for s in (seq, chain, *seq._schedulers, *chain._schedulers))
+    before = old.param_groups[0]["lr"]
+    for _ in range(3):
+        seq.step()
+    assert old.param_groups[0]["lr"] == before and new.param_groups[0]["lr"] != before

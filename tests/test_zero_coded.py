@@ -5,6 +5,7 @@ memory_report measures the formats; state dicts resume bit for bit and convert b
 checkpoints reshard (dequantized states within one quantization step) and consolidate to torch AdamW."""
 from __future__ import annotations
 
+import io
 import os
 import sys
 import warnings
@@ -16,7 +17,7 @@ from torch import nn
 
 import zero_kernels as zk
 from zero_kernels import codecs
-from zero_kernels.checkpoint import consolidate
+from zero_kernels.checkpoint import consolidate, inspect
 from zero_kernels.checkpoint_format import CheckpointError
 from zero_kernels.layout import ParamInfo, build_layout
 from zero_kernels.zero.config import ZeroConfig
@@ -493,6 +494,52 @@ def test_checkpoint_reshards_and_consolidates(tmp_path):
         assert st["exp_avg"].dtype == torch.float32
         assert torch.equal(st["exp_avg"], ref["optim"][n]["exp_avg"]), n
         assert torch.equal(out["model"][n], ref["model"][n]), n
+    _altered_shards_refused(os.path.join(tmp, "c8"), tmp)
+    buf = io.StringIO()
+    inspect(os.path.join(tmp, "c8"), file=buf)           # the formats are named
+    assert ("state format   exp_avg uint8, exp_avg_sq uint8, master bf16 parameter + int16 remainder; 8-bit code "
+            f"{codecs.U8_CODE}") in buf.getvalue(), buf.getvalue()
+
+
+def _altered_shards_refused(root, tmp):
+    """The decoders pick a codec by a tensor's dtype: a shard tensor of another dtype than metadata.json's
+    state_format / layout records (codes viewed as another 8-bit dtype, codes or params16 as fp32, the
+    remainder as uint16) is refused by name, and the master is read as metadata.json says it is stored (the
+    remainder saved as an fp32 ``master`` was read as one: its absence is refused). Each shard is re-hashed in
+    COMPLETE, so only this check can catch it (it decoded to wrong moments and masters silently). The
+    unaltered copy consolidates (the control)."""
+    import hashlib
+    import json
+    import shutil
+    from zero_kernels.checkpoint_format import resolve
+    f8, u16 = torch.float8_e4m3fn, torch.uint16
+    edits = {"uint8 codes as float8": ("b0.exp_avg_sq", lambda t: t.view(f8).clone(), "is torch.float8_e4m3fn"),
+             "codes as fp32": ("b0.exp_avg", lambda t: t.float(), "is torch.float32, but metadata.json"),
+             "params16 as fp32": ("b0.params16", lambda t: t.float(), "is torch.float32, but metadata.json"),
+             "remainder as uint16": ("b0.master_remainder", lambda t: t.view(u16).clone(), "is torch.uint16"),
+             "remainder as master": ("b0.master_remainder", None, "has no tensor 'b0.master_remainder'"),
+             "none (control)": (None, None, None)}
+    for i, (what, (key, edit, msg)) in enumerate(edits.items()):
+        dst = os.path.join(tmp, f"altered{i}")
+        shutil.copytree(root, dst)
+        vdir = resolve(dst)
+        name = "shard-00000-of-00002.pt"
+        if key is not None:
+            d = torch.load(os.path.join(vdir, name), weights_only=True)
+            if edit is None:
+                d["b0.master"] = d.pop(key).float()
+            else:
+                d[key] = edit(d[key])
+            torch.save(d, os.path.join(vdir, name))
+            data = open(os.path.join(vdir, name), "rb").read()
+            c = json.load(open(os.path.join(vdir, "COMPLETE")))
+            c["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            json.dump(c, open(os.path.join(vdir, "COMPLETE"), "w"))
+        if msg is None:
+            consolidate(dst)
+            continue
+        with pytest.raises(CheckpointError, match=msg):
+            consolidate(dst)
 
 
 # ---------------------------------------------------------------- validation

@@ -33,12 +33,15 @@ from torch import Tensor
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+def is_dtensor(t: Any) -> bool:
+    """A DTensor (FSDP2's parameters, grads and states)."""
+    return t is not None and hasattr(t, "to_local") and hasattr(t, "device_mesh")
+
+
 def local(t: Tensor | None) -> Tensor | None:
     """The local shard of a DTensor (FSDP2 parameters, grads and states), else the tensor itself.
     ``to_local()`` shares storage, so the kernel's in-place writes land in the DTensor."""
-    if t is not None and hasattr(t, "to_local") and hasattr(t, "device_mesh"):
-        return t.to_local()
-    return t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def signature(params: list[Tensor], grads: list[Tensor | None]) -> list:

@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from . import codecs
-from .layout import Layout
+from .layout import Layout, dtype_from_name
 
 from .state_keys import canonical_names
 
@@ -335,6 +335,35 @@ def _check_tensor(t, key: str, expected: dict | None, path: str) -> None:
                               f"{expected[key]} recorded for it")
 
 
+_SHARD_KEY = re.compile(r"^b(\d+)\.(.+)$")
+_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "uint8": torch.uint8,
+                 "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+def shard_dtype(meta: dict, key: str) -> torch.dtype | None:
+    """The dtype shard tensor ``key`` has by metadata.json (its ``state_format``, absent: fp32 states, and the
+    bucket's dtype for ``params16``); None for a key this build does not name. The decoders pick a codec by the
+    tensor's dtype, so a tensor of another dtype would decode to wrong values without this check."""
+    if key == "steps":
+        return torch.int64
+    m = _SHARD_KEY.match(key)
+    if m is None:
+        return None
+    name, fmt = m[2], meta.get("state_format") or {}
+    if name in ("exp_avg", "exp_avg_sq"):
+        return _STATE_DTYPES.get(fmt.get(f"{name}_dtype", "float32"))
+    if name in ("master", "max_exp_avg_sq") or name.endswith("_scale"):
+        return torch.float32
+    if name == "master_remainder":
+        return torch.int16
+    if name == "params16":
+        try:
+            return dtype_from_name(meta["layout"]["buckets"][int(m[1])]["dtype"])
+        except (KeyError, IndexError, TypeError):
+            return None
+    return None
+
+
 def load_small(vdir: str, name: str, marker: dict, verify: bool, expected: dict | None) -> dict:
     """torch.load of a small file (model_rest.pt), hashed while read, tensors checked against the record."""
     path = os.path.join(vdir, name)
@@ -375,7 +404,8 @@ class Shards:
         or decoded from codes + block scales / bf16 / bf16 params16 + master_remainder ([Note: coded ZeRO
         states] in zero/coded.py). Decoded slices of one (rank, bucket) are kept until another is asked for."""
         name = f"b{bucket}.{key}"
-        stored_fp32 = name in self._file(rank)[0] if key == "master" else self.get(rank, name).dtype == torch.float32
+        remainders = bool((self.meta.get("state_format") or {}).get("store_param_remainders", False))
+        stored_fp32 = not remainders if key == "master" else self.get(rank, name).dtype == torch.float32
         if stored_fp32:
             return self.get(rank, name)
         ck = (rank, bucket, key)
@@ -399,6 +429,11 @@ class Shards:
         if key not in d:
             raise CheckpointError(f"checkpoint file {fp} has no tensor {key!r}")
         _check_tensor(d[key], key, self.expected, fp)
+        want = shard_dtype(self.meta, key)
+        if want is not None and d[key].dtype != want:
+            raise CheckpointError(f"checkpoint file {fp}: tensor {key!r} is {d[key].dtype}, but metadata.json "
+                                  f"(state_format / layout) records {want}: the file was altered or saved apart "
+                                  "from this metadata, and would decode to wrong values")
         return d[key]
 
     def _file(self, rank: int) -> tuple[dict, str]:

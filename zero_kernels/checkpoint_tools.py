@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from .checkpoint_format import (CheckpointError, Shards, atomic_write, canonical, check_state_codes, load_small,
+from .checkpoint_format import (VDIR, CheckpointError, Shards, atomic_write, canonical, check_state_codes, load_small,
                                 param_names, read_metadata, resolve, saved_layout)
 from .state_keys import canonical_names
 
@@ -76,6 +76,22 @@ def _model_entries(meta: dict, lay, master: dict, rest: dict) -> dict:
 
 
 @torch.no_grad()
+def check_output_path(out: str, vdir: str) -> None:
+    """CheckpointError unless ``out`` is a file path consolidate may write: not inside the version directory it
+    reads, nor the root's LATEST or another version directory (a write there replaced a checkpoint file, and
+    the checkpoint could no longer be read), not a directory, its folder existing."""
+    real, root = os.path.realpath(out), os.path.dirname(os.path.realpath(vdir))
+    rel = os.path.relpath(real, root)
+    first = rel.split(os.sep)[0]
+    if not rel.startswith(os.pardir) and (first == "LATEST" or VDIR.match(first)):
+        raise CheckpointError(f"output {out!r} lies inside the checkpoint {root!r} ({rel}): writing it would replace "
+                              "a file of the checkpoint; write the consolidated file outside it")
+    if os.path.isdir(real):
+        raise CheckpointError(f"output {out!r} is a directory; give a file path, e.g. {os.path.join(out, 'full.pt')!r}")
+    if not os.path.isdir(os.path.dirname(real)):
+        raise CheckpointError(f"output {out!r}: its folder {os.path.dirname(real)!r} does not exist; create it first")
+
+
 def consolidate(path, out: str | None = None, verify: bool = True) -> dict:
     """Full fp32 model state dict + a torch.optim.AdamW/Adam state dict, built shard by shard
     (one shard file mapped at a time; no process group). Writes it to ``out`` (atomically) when given.
@@ -86,6 +102,8 @@ def consolidate(path, out: str | None = None, verify: bool = True) -> dict:
     dict whose parameter indices follow, group by group, the module's registration order of
     trainable parameters (``param_names`` lists them), "param_names", "metadata"}."""
     vdir = resolve(path)
+    if out is not None:
+        check_output_path(os.fspath(out), vdir)
     marker, meta = read_metadata(vdir)
     check_state_codes(meta, os.path.join(vdir, "metadata.json"))
     lay = saved_layout(meta, os.path.join(vdir, "metadata.json"))
@@ -137,6 +155,11 @@ def inspect(path, file=None) -> dict:
     w(f"parameters     Psi = {meta['psi']:,} trainable elements in {len(meta['params'])} tensors, "
       f"{len(meta['layout']['buckets'])} buckets")
     w(f"loss scaler    {meta['loss_scaler']}; skipped steps {meta['skipped_steps']}")
+    fmt = meta.get("state_format") or {"exp_avg_dtype": "float32", "exp_avg_sq_dtype": "float32",
+                                       "store_param_remainders": False}
+    w(f"state format   exp_avg {fmt['exp_avg_dtype']}, exp_avg_sq {fmt['exp_avg_sq_dtype']}, master "
+      + ("bf16 parameter + int16 remainder" if fmt.get("store_param_remainders") else "fp32")
+      + (f"; 8-bit code {fmt['u8_code']}" if "u8_code" in fmt else ""))
     for i, g in enumerate(meta["param_groups"]):
         w(f"param group {i}  " + ", ".join(f"{k}={v}" for k, v in g.items()))
     w("files")

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ._launch_plan import is_dtensor
 from .codecs import BLOCK, MOMENT_DTYPES
 
 __all__ = ["validate_hparams", "scalar_lr", "as_float", "StateFormat", "validate_state_format", "check_param_format",
@@ -104,6 +105,12 @@ def check_param_format(fmt: StateFormat, i: int, p: Tensor, amsgrad: Any) -> Non
         raise ValueError(f"params[{i}] has dtype {p.dtype}; store_param_remainders=True needs bf16 parameters "
                          "(the fp32 master is kept as the bf16 bits plus an int16 remainder): put the other "
                          "parameters in another optimizer, or use store_param_remainders=False")
+    if fmt.coded and is_dtensor(p):
+        raise ValueError(f"params[{i}] is a DTensor (an FSDP2 / fully_shard parameter): FusedAdam's coded states "
+                         "(exp_avg_dtype / exp_avg_sq_dtype / store_param_remainders) are per-tensor blocks that "
+                         "torch.distributed.checkpoint cannot reshard; keep fp32 states for FSDP2 models, or shard "
+                         "the model with zk.ZeroAdamW(model, stage=3, exp_avg_dtype=...), which holds coded states "
+                         "in its own resharding checkpoints (and loads FSDP2's through zero_kernels.dcp)")
     check_coded_amsgrad(fmt, "", amsgrad)
 
 

@@ -34,7 +34,10 @@ class Tiny(L.LightningModule):
         no_decay = [p for n, p in self.named_parameters() if n.endswith("bias")]
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                                  {"params": no_decay, "weight_decay": 0.0}], lr=3e-2, betas=(0.9, 0.95))
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        # a SequentialLR (warm-up, then steps): its children must follow the optimizer the strategy swaps in
+        S = torch.optim.lr_scheduler
+        sched = S.SequentialLR(opt, [S.LinearLR(opt, 0.5, total_iters=2), S.StepLR(opt, step_size=3, gamma=0.5)],
+                               milestones=[2])
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 

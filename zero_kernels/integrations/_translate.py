@@ -8,14 +8,28 @@ import torch
 
 from ..zero import ZeroAdam, ZeroAdamW
 
-__all__ = ["to_zero_optimizer"]
+__all__ = ["to_zero_optimizer", "repoint_schedulers", "check_no_loss_scale"]
 
 _HPARAMS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+
+
+def check_no_loss_scale(scale: Any) -> None:
+    """ValueError for a ZeroAdamW ``loss_scale`` under a framework (at the integration's construction, and for
+    an optimizer passed in): it needs the loss multiplied by ``scale_loss`` before backward, which neither
+    Trainer nor Lightning does, so every gradient would be divided by a scale it never got."""
+    if scale is not None:
+        raise ValueError(f"loss_scale={scale!r} needs the loss multiplied by the ZeroAdamW's scale_loss(loss) before "
+                         "backward(), which the framework's training step does not do: every gradient would be "
+                         "divided by a scale it never got (clipping and the update off by that factor). Leave "
+                         "loss_scale out; for 16-bit training pass param_dtype=torch.bfloat16, which needs no "
+                         "loss scaling")
 
 
 def to_zero_optimizer(optimizer: torch.optim.Optimizer, module: torch.nn.Module, stage: int,
                       zero_kwargs: dict[str, Any]) -> ZeroAdamW:
     """A ZeroAdamW (or ZeroAdam) with the parameter groups and hyper-parameters of ``optimizer``."""
+    scale = optimizer.config.loss_scale if isinstance(optimizer, ZeroAdamW) else zero_kwargs.get("loss_scale")
+    check_no_loss_scale(scale)
     if isinstance(optimizer, ZeroAdamW):
         return optimizer
     if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
@@ -39,3 +53,13 @@ def to_zero_optimizer(optimizer: torch.optim.Optimizer, module: torch.nn.Module,
             if k != "params" and k not in new:
                 new[k] = v
     return zopt
+
+
+def repoint_schedulers(schedulers, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+    """Point every LR scheduler built on ``old`` at ``new``, keeping its state, the children of a
+    ``SequentialLR`` / ``ChainedScheduler`` included (left on ``old``, they would change the discarded
+    optimizer's lr and the new one's would stay frozen)."""
+    for sched in schedulers:
+        if getattr(sched, "optimizer", None) is old:
+            sched.optimizer = new
+        repoint_schedulers(getattr(sched, "_schedulers", ()), old, new)

@@ -30,7 +30,7 @@ import torch
 from transformers import Trainer
 
 from ..zero import ZeroAdamW
-from ._translate import to_zero_optimizer
+from ._translate import check_no_loss_scale, to_zero_optimizer
 
 __all__ = ["ZeroTrainer", "ZERO_CHECKPOINT_DIR"]
 
@@ -45,6 +45,7 @@ class ZeroTrainer(Trainer):
         if zero_stage not in (1, 2, 3):
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage!r}")
         self.zero_stage, self.zero_kwargs = zero_stage, dict(zero_kwargs or {})
+        check_no_loss_scale(self.zero_kwargs.get("loss_scale"))
         super().__init__(*args, **kwargs)
         if self.optimizer is not None and not isinstance(self.optimizer, ZeroAdamW):
             raise ValueError("ZeroTrainer builds its ZeroAdamW itself: leave optimizers=(None, scheduler) or pass "

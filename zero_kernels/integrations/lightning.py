@@ -35,7 +35,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from ..zero import ZeroAdamW
-from ._translate import to_zero_optimizer
+from ._translate import check_no_loss_scale, repoint_schedulers, to_zero_optimizer
 
 __all__ = ["ZeroStrategy", "ZeroPrecision", "LIGHTNING_STATE"]
 
@@ -74,6 +74,7 @@ class ZeroStrategy(DDPStrategy):
         super().__init__(**ddp_kwargs)
         self.stage = stage
         self.zero_kwargs = dict(zero_kwargs or {})
+        check_no_loss_scale(self.zero_kwargs.get("loss_scale"))
 
     # -- the module is not wrapped: ZeroAdamW reduces gradients itself ---------------------------------
     def _setup_model(self, model):
@@ -95,9 +96,7 @@ class ZeroStrategy(DDPStrategy):
                              f"got {len(self.optimizers)}")
         old = self.optimizers[0]
         zopt = to_zero_optimizer(old, self.lightning_module, self.stage, self.zero_kwargs)
-        for cfg in self.lr_scheduler_configs:
-            if cfg.scheduler.optimizer is old:
-                cfg.scheduler.optimizer = zopt
+        repoint_schedulers([cfg.scheduler for cfg in self.lr_scheduler_configs], old, zopt)
         self.optimizers = [zopt]
 
     # -- checkpoints: ZeroAdamW's resharding checkpoint + Lightning's own state ------------------------
