@@ -282,8 +282,9 @@ def test_consolidate_and_inspect(tmp_ckpt):
     sizes = {f: os.path.getsize(os.path.join(vdir, f)) for f in os.listdir(vdir)}
     with open(os.path.join(root, "LATEST")) as f:
         latest = f.read()
-    for bad, msg in [(os.path.join(root, "LATEST"), "lies inside the checkpoint"), (shard, "lies inside the checkpoint"),
-                     (tmp, "is a directory"), (os.path.join(tmp, "nowhere", "full.pt"), "does not exist")]:
+    inside = "lies inside the checkpoint"
+    for bad, msg in [(os.path.join(root, "LATEST"), inside), (shard, inside), (tmp, "is a directory"),
+                     (os.path.join(tmp, "nowhere", "full.pt"), "does not exist")]:
         with pytest.raises(ck.CheckpointError, match=msg):
             consolidate(root, bad)
     assert {f: os.path.getsize(os.path.join(vdir, f)) for f in os.listdir(vdir)} == sizes
