@@ -45,7 +45,7 @@ def fp32_rows(n: int, repeats: int) -> list[list[object]]:
     bpe = bytes_per_element(torch.float32, None)
     fused = med["torch AdamW fused"]
     label = {k: k + (f" [{o.backend['cpu']}]" if isinstance(o, zk.FusedAdam) else "") for k, o in opts.items()}
-    return [[f"{n / 2**20:.0f}M", "fp32", label[k], t * 1e3, n * bpe / t / 1e9, fused / t] for k, t in med.items()]
+    return [[f"{n / 2**20:.3g}M", "fp32", label[k], t * 1e3, n * bpe / t / 1e9, fused / t] for k, t in med.items()]
 
 
 def mixed_rows(n: int, repeats: int) -> list[list[object]]:
@@ -67,7 +67,7 @@ def mixed_rows(n: int, repeats: int) -> list[list[object]]:
                                "torch: grad.float + fused AdamW + copy": torch_pipeline}, repeats)
     bpe = bytes_per_element(torch.bfloat16, torch.bfloat16)
     base = med["torch: grad.float + fused AdamW + copy"]
-    return [[f"{n / 2**20:.0f}M", "bf16 mixed", k, t * 1e3, n * bpe / t / 1e9, base / t] for k, t in med.items()]
+    return [[f"{n / 2**20:.3g}M", "bf16 mixed", k, t * 1e3, n * bpe / t / 1e9, base / t] for k, t in med.items()]
 
 
 def design_rows(n: int, repeats: int) -> list[list[object]]:
@@ -95,7 +95,7 @@ def design_rows(n: int, repeats: int) -> list[list[object]]:
         fn([flatP], [flatG], [flatM], [flatV], None, None, co1, **hp)
     med = interleaved_medians({"pointer table (200 tensors, 1 call)": table_launch,
                                "flatten grads + 1 flat call": flatten_then_flat}, repeats)
-    return [[f"{n / 2**20:.0f}M", "fp32 design", k2, t * 1e3, n * 28 / t / 1e9, med["flatten grads + 1 flat call"] / t]
+    return [[f"{n / 2**20:.3g}M", "fp32 design", k2, t * 1e3, n * 28 / t / 1e9, med["flatten grads + 1 flat call"] / t]
             for k2, t in med.items()]
 
 

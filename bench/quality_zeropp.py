@@ -72,7 +72,7 @@ def smooth(xs: list[float], k: int = 20) -> torch.Tensor:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=8, help="rows per rank")
     ap.add_argument("--lr", type=float, default=3e-3)

@@ -400,6 +400,8 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         for dst, tmp in plan.writebacks:
             dst.copy_(tmp)
 
+    @torch.compiler.disable(reason="zero_kernels: the coded-state step runs eagerly under torch.compile (its "
+                            "kernels and codecs are not traced); call it outside a fullgraph=True region")
     def _step_coded(self, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
         """A step on coded states ([Note: coded state dicts]): every check of every group first; plans as the
         fp32 path's ([Note: launch plans]), rebuilt (and every state checked) when anything moved."""
