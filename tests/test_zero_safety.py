@@ -587,6 +587,39 @@ def test_cast_after_construction_is_an_error_world2(stage, how):
     run_world(_moved_case, 2, stage, how, timeout=180)
 
 
+def _rank0_shard_everywhere(rank, world, stage):
+    model = make_model()
+    zopt = zk.ZeroAdamW(model, stage=stage, lr=1e-2, timeout=60.0, backend="reference",
+                        param_dtype=torch.bfloat16, exp_avg_dtype=torch.uint8, store_param_remainders=True)
+    for s in range(2):
+        _backward(model, s)
+        zopt.step()
+        zopt.zero_grad()
+        if s == 0:
+            sd = zopt.state_dict()
+            objs = [sd if rank == 0 else None]
+            dist.broadcast_object_list(objs, src=0)     # every rank loads rank 0's shard (a common mistake)
+            shard0 = objs[0]
+    steps, params = list(zopt.steps), [p.detach().clone() for p in model.parameters()]
+    t0 = time.monotonic()
+    want = ("this shard belongs to rank 0" if rank == 1 else "failed on another rank of the process group")
+    with pytest.raises(ValueError, match=want):
+        zopt.load_state_dict(shard0)
+    assert time.monotonic() - t0 < 20, "a failed load must not wait for the collective timeout"
+    assert zopt.steps == steps and all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    _backward(model, 5)                                 # and the ranks still train together
+    zopt.step()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_shard_wrong_on_one_rank_changes_nothing_anywhere_world2(stage):
+    """ZeroAdamW.load_state_dict with rank 0's shard on every rank: rank 1 refused it, but rank 0 applied it
+    and then waited in the parameter all-gather until the timeout (states differing across ranks). Now the
+    ranks agree first: both raise at once (rank 0 naming the other rank's failure), nothing changes, and
+    training goes on."""
+    run_world(_rank0_shard_everywhere, 2, stage, timeout=180)
+
+
 def _stage3_forward_stall(rank, world):
     g = dist.new_group([0, 1])
     model = make_model()

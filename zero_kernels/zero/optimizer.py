@@ -19,7 +19,7 @@ from .mesh import resolve_mesh
 from .params import check_frozen
 from .scaling import StepScaling
 from .stage3 import Stage3
-from .state_dict import apply_shard, check_shard, full_model_state_dict, shard_state_dict
+from .state_dict import agree_to_load, apply_shard, check_shard, full_model_state_dict, shard_state_dict
 from .step import global_norm, step_bucket
 from .strategy import Stage1, Stage2, StrategyContext
 from .timeouts import bounded_by_timeout
@@ -252,10 +252,15 @@ class ZeroAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a shard saved by state_dict() on the same rank of the same layout (collective: the
         working parameters are refreshed from the loaded masters). Raises before changing anything."""
-        check_shard(state_dict, self.layout, self.world_size, self.rank, self.buckets, self.param_groups)
-        why = None if "scaling" not in state_dict else self.scaling.check_state(state_dict["scaling"])
-        if why is not None:
-            raise ValueError(f"{why}. Nothing was loaded.")
+        error = None
+        try:
+            check_shard(state_dict, self.layout, self.world_size, self.rank, self.buckets, self.param_groups)
+            why = None if "scaling" not in state_dict else self.scaling.check_state(state_dict["scaling"])
+            if why is not None:
+                raise ValueError(f"{why}. Nothing was loaded.")
+        except Exception as e:  # noqa: BLE001 - raised again by agree_to_load, on this rank and (named) on others
+            error = e
+        agree_to_load(error, self.mesh)
         self.wait_for_params()
         self.steps = apply_shard(state_dict, self.buckets, self.param_groups)
         if "scaling" in state_dict:                     # shards saved before it was kept: scaling unchanged

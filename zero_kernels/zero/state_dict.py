@@ -20,16 +20,19 @@ from typing import Any, Callable, Sequence
 
 import warnings
 
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import codecs
 from ..hparams import validate_hparams
 from ..state_keys import keyed_state
 from .buckets import FlatBucket
+from . import collectives as C
 from .coded import decode_saved, saved_problem
+from .mesh import ZeroMesh, all_reduce_everywhere
 from ..layout import Layout
 
-__all__ = ["SHARD_FORMAT", "SHARD_VERSION", "shard_state_dict", "check_shard", "apply_shard",
+__all__ = ["SHARD_FORMAT", "SHARD_VERSION", "shard_state_dict", "check_shard", "apply_shard", "agree_to_load",
            "full_model_state_dict"]
 
 SHARD_FORMAT = "zero_kernels.zero/shard"
@@ -69,7 +72,10 @@ def check_shard(sd: dict[str, Any], layout: Layout, world: int, rank: int, bucke
         raise ValueError(
             f"this shard was saved with layout {fp} (world size {sd.get('world_size')}, rank {sd.get('rank')}) "
             f"but this optimizer's layout is {mine} (world size {world}): the model, param groups, "
-            "bucket_size, param_dtype and world size must match; to change them, reshard a full checkpoint instead")
+            "bucket_size, param_dtype and world size must match, and so must whether the moments are blockwise "
+            "(uint8 / float8_e4m3fn moments pad each bucket to world_size x 256 elements, so switching to or from "
+            "them changes the layout); to change any of them, save_checkpoint / load_checkpoint (it reshards and "
+            "converts state formats)")
     if sd.get("rank") != rank:
         raise ValueError(f"this shard belongs to rank {sd.get('rank')}, but this is rank {rank}: load each "
                          "rank's own shard")
@@ -131,3 +137,17 @@ def full_model_state_dict(buckets: Sequence[FlatBucket], module: nn.Module,
             full[ps.name] = flat[ps.offset:ps.offset + ps.numel].view(ps.shape).clone()
     # joined by parameter identity, not by name ([Note: state-dict keys]): wrappers rename keys
     return {k: full[ps.name] if ps is not None else v.detach().clone() for k, ps, v in keyed_state(module, buckets)}
+
+
+def agree_to_load(error: Exception | None, mesh: ZeroMesh) -> None:
+    """Collective (every rank of the mesh, bounded by the enclosing timeout): raise on every rank when the shard
+    check failed on any, before any rank applies its shard. A rank given a wrong shard (every rank loading rank
+    0's file) used to fail alone while the others applied theirs and then waited in the parameter all-gather
+    until the timeout, with different states on different ranks."""
+    flag = C.flag_tensor([0 if error is None else 1], mesh.shard_group)
+    all_reduce_everywhere(flag, dist.ReduceOp.MAX, mesh)
+    if error is not None:
+        raise error
+    if int(flag.item()):
+        raise ValueError("load_state_dict failed on another rank of the process group (its error names the "
+                         "problem, e.g. a shard saved by another rank); nothing was loaded on any rank")
