@@ -611,12 +611,11 @@ def _rank0_shard_everywhere(rank, world, stage):
     zopt.step()
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_shard_wrong_on_one_rank_changes_nothing_anywhere_world2(stage):
+def test_shard_wrong_on_one_rank_changes_nothing_anywhere_world2(stage=1):
     """ZeroAdamW.load_state_dict with rank 0's shard on every rank: rank 1 refused it, but rank 0 applied it
     and then waited in the parameter all-gather until the timeout (states differing across ranks). Now the
     ranks agree first: both raise at once (rank 0 naming the other rank's failure), nothing changes, and
-    training goes on."""
+    training goes on. (The agreement precedes the stage's own apply / refresh: stage 1 stands for all.)"""
     run_world(_rank0_shard_everywhere, 2, stage, timeout=180)
 
 
