@@ -118,5 +118,9 @@ def check_coded_amsgrad(fmt: StateFormat, where: str, amsgrad: Any) -> None:
     """ValueError when amsgrad is asked of coded states: at construction, add_param_group, and each step (a
     ``param_groups[i]["amsgrad"] = True`` set later would otherwise be ignored)."""
     if fmt.coded and amsgrad:
-        raise ValueError(f"{where}amsgrad=True is not supported with coded states (exp_avg_dtype / exp_avg_sq_dtype / "
-                         "store_param_remainders): max_exp_avg_sq has no coded format; use amsgrad=False")
+        raise ValueError(f"{where}{CODED_AMSGRAD}")
+
+
+# The one refusal of amsgrad with coded states (FusedAdam here, ZeroAdamW in zero/coded.format_error).
+CODED_AMSGRAD = ("amsgrad=True is not supported with coded states (exp_avg_dtype / exp_avg_sq_dtype / "
+                 "store_param_remainders): max_exp_avg_sq has no coded format; use amsgrad=False")

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from .. import codecs, optim_coded
-from ..hparams import StateFormat
+from ..hparams import CODED_AMSGRAD, StateFormat
 
 __all__ = ["format_error", "new_moments", "remainder_of", "join_master", "decode_slice", "encode_slice",
            "saved_problem", "decode_saved", "step_coded_slice", "step_decoded_slice", "MOMENT_KEYS"]
@@ -47,8 +47,7 @@ def format_error(cfg, trainable, groups: Sequence[dict]) -> str | None:
     if not fmt.coded:
         return None
     if any(g.get("amsgrad", False) for g in groups):
-        return ("amsgrad=True is not supported with coded states (exp_avg_dtype / exp_avg_sq_dtype / "
-                "store_param_remainders): max_exp_avg_sq has no coded format; use amsgrad=False")
+        return CODED_AMSGRAD
     if fmt.store_param_remainders:
         for n, p in trainable:
             if (cfg.param_dtype or p.dtype) != torch.bfloat16:
