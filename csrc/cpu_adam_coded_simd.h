@@ -163,7 +163,7 @@ ZK_TGT static inline void zk_c_encode(int kind, bool V_, float* x, void* dst, fl
       else zk_m8_codes(x, zk_c_inverse(scale, ZK_M8_LEVELS), static_cast<uint8_t*>(dst));
       return;
     }
-    default: {  // float8_e4m3fn of x / (absmax / 448): torch's RNE cast on the bits (kernels/_codecs.py)
+    default: {  // float8_e4m3fn of clamp(x / (absmax / 448), +-448): RNE on the bits (kernels/_codecs.py)
       const float scale = zk_q8_absmax(x) / 448.0f;
       *scale_out = scale;
       const Q::F s = Q::set1f(scale);
@@ -176,7 +176,8 @@ ZK_TGT static inline void zk_c_encode(int kind, bool V_, float* x, void* dst, fl
         const Q::I normal = Q::shr<20>(Q::addi(Q::addi(Q::subi(a, Q::set1i(120u << 23)), Q::set1i(0x7FFFF)),
                                                Q::andi(Q::shr<20>(a), Q::set1i(1))));
         Q::I code = Q::seli(Q::gti(Q::set1i(121u << 23), a), small, normal);
-        code = Q::seli(Q::gti(a, Q::set1i((1087u << 20) - 1)), Q::set1i(0x7F), code);
+        code = Q::seli(Q::gti(a, Q::set1i(0x43E00000 - 1)), Q::set1i(0x7E), code);   // saturate: codecs.encode_f8
+        code = Q::seli(Q::gti(a, Q::set1i(0x7F800000)), Q::set1i(0x7F), code);       // NaN
         if (V_) code = Q::maxi(code, Q::seli(Q::eqi(a, Q::set1i(0)), Q::set1i(0), Q::set1i(1)));  // codecs.encode_f8_v
         Q::st_u8(static_cast<uint8_t*>(dst) + i, Q::ori(Q::andi(code, Q::set1i(0xFF)), sign));
       }

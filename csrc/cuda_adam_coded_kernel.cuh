@@ -194,14 +194,14 @@ __device__ __forceinline__ float decode_f8(uint32_t c) {
   return (c & 0x80u) ? zk::cuda_adam::neg(mag) : mag;
 }
 
-// encode_f8: fp32 -> float8_e4m3fn bits, round to nearest even as torch converts (c10
-// fp8e4m3fn_from_fp32_value): >= 480, inf and NaN -> 0x7F; below 2^-6 through an fp32 add of 2^14.
+// encode_f8: fp32 -> float8_e4m3fn bits of clamp(y, -448, 448), round to nearest even (codecs.encode_f8):
+// NaN -> 0x7F, |y| >= 448 (inf included) -> 0x7E, saturated; below 2^-6 through an fp32 add of 2^14.
 __device__ __forceinline__ uint32_t encode_f8(float y) {
   const uint32_t b = __float_as_uint(y);
   const uint32_t sign = (b >> 24) & 0x80u, a = b & 0x7FFFFFFFu;
   const uint32_t small = __float_as_uint(zk::cuda_adam::add_rn(__uint_as_float(a), 16384.0f)) - (141u << 23);
   const uint32_t normal = (a - (120u << 23) + 0x7FFFFu + ((a >> 20) & 1u)) >> 20;  // wraps only off this path
-  const uint32_t code = a >= (1087u << 20) ? 0x7Fu : (a < (121u << 23) ? small : normal);
+  const uint32_t code = a > 0x7F800000u ? 0x7Fu : a >= 0x43E00000u ? 0x7Eu : (a < (121u << 23) ? small : normal);
   return (code & 0xFFu) | sign;
 }
 

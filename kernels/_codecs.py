@@ -189,14 +189,15 @@ def decode_q8(code, scale, table_ptr):
 
 @triton.jit
 def encode_f8(y):
-    """fp32 -> float8_e4m3fn bits (uint8), round to nearest even, torch's conversion (c10
-    fp8e4m3fn_from_fp32_value): >= 480 and NaN -> 0x7F; below 2^-6 through an fp32 add of 2^14."""
+    """fp32 -> float8_e4m3fn bits (uint8) of clamp(y, -448, 448), round to nearest even (codecs.encode_f8):
+    NaN -> 0x7F, |y| >= 448 (inf included) -> 0x7E, saturated ([Note: state codecs] 3); below 2^-6 through an
+    fp32 add of 2^14."""
     b = y.to(tl.uint32, bitcast=True)
     sign = (b >> 24) & 0x80
     a = b & 0x7FFFFFFF
     small = (a.to(tl.float32, bitcast=True) + 16384.0).to(tl.uint32, bitcast=True) - (141 << 23)
     normal = (a - (120 << 23) + 0x7FFFF + ((a >> 20) & 1)) >> 20      # rebias 127 -> 7; wraps only off this path
-    code = tl.where(a >= (1087 << 20), 0x7F, tl.where(a < (121 << 23), small, normal))
+    code = tl.where(a > 0x7F800000, 0x7F, tl.where(a >= 0x43E00000, 0x7E, tl.where(a < (121 << 23), small, normal)))
     return ((code & 0xFF) | sign).to(tl.uint8)
 
 

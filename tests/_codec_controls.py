@@ -2,7 +2,8 @@
 tests/test_cpu_coded.py): swapped into the reference step with ``monkeypatch.setitem(codecs._ENCODERS, ...)``,
 each makes the reference differ from a correct kernel, so a comparison that passes is not vacuous. Also
 ``written_values``: bf16 parameters written to +-0 or +-inf outside the optimizer, their old remainders kept;
-``f8_floor_run``: float8 exp_avg_sq with v spanning more than e4m3fn's range in a block."""
+``f8_floor_run``: float8 exp_avg_sq with v spanning more than e4m3fn's range in a block; ``f8_subnormal_run``:
+float8 moments whose block scales are subnormal, and ``wrong_f8_unsaturated`` (c10's NaN code at >= 464)."""
 from __future__ import annotations
 
 import torch
@@ -104,3 +105,45 @@ def check_f8_floor(before, ps, first, lr: float) -> None:
     assert ones > 100, ones
     moved = max(float((p - b).abs().max()) for p, b in zip(ps, before))
     assert moved <= 2 * 3.5 * lr, moved / lr
+
+
+def wrong_f8_unsaturated(x):
+    """float8 coded as codecs.encode_f8_v / encode_f8 were before they saturated: e4m3fn of x / scale unclamped,
+    c10's scalar rule (|y| >= 464 rounds to the NaN code 0x7F) instead of torch 2.13's saturating cast."""
+    codes, scale = C.encode_f8_v(x)
+    y = C._blocks(x) / scale[:, None]
+    nan = (y.abs() >= 464).reshape(-1)[: x.numel()].view(x.shape)
+    c = codes.view(torch.uint8)
+    return torch.where(nan, c | 0x7F, c).view(torch.float8_e4m3fn), scale
+
+
+def f8_subnormal_run(init, step, steps: int = 3, sizes=(300, 4133), seed: int = 7):
+    """[Note: state codecs] 3, saturation: fp32 parameters stepped ``steps`` times by ``step(ps, gs, states)``
+    from ``init(p)`` with gradients so small that the float8 block scales (absmax / 448) are subnormal: every
+    block's gradients ~1.5e-20 (v ~1e-42: its scale a few units of 2^-149) or ~1e-41 (m ~1e-42), by block. A
+    subnormal scale rounds absmax / 448 by up to half its few bits, so x / scale passes 464 in some blocks,
+    where an unsaturated cast codes NaN. Returns (params, states); ``check_f8_subnormal`` checks them."""
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.randn(n, generator=g) for n in sizes]
+    states = [init(p) for p in ps]
+    kinds = [torch.randint(0, 2, (-(-n // C.BLOCK),), generator=g).repeat_interleave(C.BLOCK)[:n] for n in sizes]
+    for _ in range(steps):
+        gs = []
+        for k in kinds:
+            u = 2.0 ** (2 * torch.rand(k.shape, generator=g) - 1) * torch.randn(k.shape, generator=g).sign()
+            gs.append(torch.where(k == 0, u.double() * 1.5e-20, u.double() * 1e-41).float())
+        step(ps, gs, states)
+    return ps, states
+
+
+def check_f8_subnormal(ps, states) -> None:
+    """After ``f8_subnormal_run`` (the kernel already compared with the reference): finite parameters and
+    scales, no NaN code (0x7F / 0xFF) in any float8 state, and saturated codes (448) present in both moments."""
+    assert all(bool(torch.isfinite(p).all()) for p in ps)
+    for k in ("exp_avg", "exp_avg_sq"):
+        f8 = [st for st in states if st[k].dtype == torch.float8_e4m3fn]
+        for st in f8:
+            assert bool(torch.isfinite(st[k + "_scale"]).all()), k
+            assert not bool(((st[k].view(torch.uint8) & 0x7F) == 0x7F).any()), k
+        if f8:
+            assert sum(int(((st[k].view(torch.uint8) & 0x7F) == 0x7E).sum()) for st in f8) > 0, k

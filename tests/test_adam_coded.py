@@ -18,7 +18,8 @@ from zero_kernels.kernels._codecs import QBLOCK, decode_m8, decode_v8, encode_m8
 from zero_kernels.kernels.adam_coded import adam_step_coded_triton
 from zero_kernels.reference import sqrt_rn
 
-from _codec_controls import WRONG, check_f8_floor, check_written, f8_floor_run, written_values, wrong_v8_sqrt
+from _codec_controls import (WRONG, check_f8_floor, check_f8_subnormal, check_written, f8_floor_run, f8_subnormal_run,
+                             written_values, wrong_v8_sqrt)
 
 BF, U8, F8, F32 = torch.bfloat16, torch.uint8, torch.float8_e4m3fn, torch.float32
 SIZES = [1, 255, 256, 257, 1023, 1025, 4099, 5000]   # below a block, a block, partial blocks, two chunks
@@ -407,10 +408,11 @@ def test_parameters_written_to_zero_or_inf_keep_them(value, lr):
 
 
 @pytest.mark.parametrize("m_dtype", [F32, F8], ids=["m=fp32", "m=f8"])
-def test_f8_exp_avg_sq_floor(m_dtype):
+def test_f8_floor_and_saturation(m_dtype):
     """[Note: state codecs] 3: a nonzero v never codes to 0 in exp_avg_sq's float8: the Triton kernel's bits equal
     the reference's over ``f8_floor_run`` (v spanning 14 decades per block, then a zero gradient for half of the
-    elements), and ``check_f8_floor`` (its negative control is in tests/test_cpu_coded.py)."""
+    elements), and ``check_f8_floor``; likewise the codes' saturation at 448 over ``f8_subnormal_run`` (subnormal
+    block scales) and ``check_f8_subnormal`` (both negative controls are in tests/test_cpu_coded.py)."""
     init = lambda p: C.init_coded_state(p, exp_avg_dtype=m_dtype, exp_avg_sq_dtype=F8)   # noqa: E731
     kw = dict(lr=HP["lr"], beta1=HP["beta1"], beta2=HP["beta2"], eps=HP["eps"], weight_decay=HP["weight_decay"],
               adamw=HP["adamw"])
@@ -425,3 +427,6 @@ def test_f8_exp_avg_sq_floor(m_dtype):
     runs = [f8_floor_run(init, s, HP["lr"]) for s in (triton_step, reference_step)]
     assert_equal(runs[0][1], runs[0][3], runs[1][1], runs[1][3])
     check_f8_floor(*runs[0][:3], HP["lr"])
+    runs = [f8_subnormal_run(init, s) for s in (triton_step, reference_step)]   # saturation ([Note: state codecs] 3)
+    assert_equal(runs[0][0], runs[0][1], runs[1][0], runs[1][1])
+    check_f8_subnormal(*runs[0])

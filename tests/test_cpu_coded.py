@@ -21,7 +21,8 @@ import zero_kernels as zk
 from zero_kernels import _coded_host, _ext
 from zero_kernels import codecs as C
 
-from _codec_controls import WRONG, check_f8_floor, check_written, f8_floor_run, written_values
+from _codec_controls import (WRONG, check_f8_floor, check_f8_subnormal, check_written, f8_floor_run, f8_subnormal_run,
+                             written_values, wrong_f8_unsaturated)
 
 CPP = _ext.cpu_module()
 pytestmark = pytest.mark.skipif(CPP is None and os.environ.get("ZK_REQUIRE_CPU") != "1",
@@ -459,3 +460,22 @@ def test_front_end_refuses_non_contiguous_and_bad_scales_dtype():
     with pytest.raises(RuntimeError, match=r"exp_avg_scales\[0\] has dtype"):
         CPP.fused_adam_coded_cpu(**a, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True, maximize=False)
 
+
+
+@pytest.mark.parametrize("m_dtype", [F32, F8], ids=["m=fp32", "m=f8"])
+def test_f8_saturates_under_subnormal_scales(m_dtype, monkeypatch):
+    """[Note: state codecs] 3: float8 codes saturate at 448. Gradients so small that the block scales are
+    subnormal (``f8_subnormal_run``): the kernel's bits equal the reference's over three steps, and no state holds
+    a NaN code (``check_f8_subnormal``). The negative control: the reference with c10's unsaturated cast (>= 464
+    -> NaN, what the kernels did) turns blocks NaN, and the check fails."""
+    hp = HP["adamw"]
+    init = lambda p: C.init_coded_state(p, exp_avg_dtype=m_dtype, exp_avg_sq_dtype=F8)   # noqa: E731
+    runs = [f8_subnormal_run(init, lambda ps, gs, sts, s=s: s(ps, gs, sts, list(range(len(ps))), hp))
+            for s in (kernel_step, reference_step)]
+    assert_equal(runs[0][0], runs[0][1], runs[1][0], runs[1][1])
+    check_f8_subnormal(*runs[0])
+    for key in ("exp_avg", "exp_avg_sq"):
+        monkeypatch.setitem(C._ENCODERS, (key, F8), wrong_f8_unsaturated)
+    wrong = f8_subnormal_run(init, lambda ps, gs, sts: reference_step(ps, gs, sts, list(range(len(ps))), hp))
+    with pytest.raises(AssertionError):
+        check_f8_subnormal(*wrong)

@@ -152,6 +152,34 @@ def test_checkpoint_loaded_in_either_order_resumes_bit_for_bit(fmt, model_first)
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("fmt", ["fp32 master", "remainders", "8-bit + fp32 master"])
+def test_parameters_after_load_state_dict_are_what_the_run_continues_from(fmt):
+    """optimizer.load_state_dict counts every parameter as written: (a) pruned after the load, the pruned values
+    stand (one step later within its reach of 0); (b) an optimizer state loaded into a model holding other values
+    (no model.load_state_dict) continues from those values, as torch's does: a step at lr 0 changes nothing.
+    Before, load_state_dict forgot the version counters and the loaded fp32 masters overwrote both."""
+    a = net().to(BF)
+    oa = zk.FusedAdamW(a.parameters(), backend="cpu", **HP, **FORMATS[fmt])
+    train(a, oa, 3, 1)
+    sd = copy.deepcopy(oa.state_dict())
+    b = copy.deepcopy(a)
+    ob = zk.FusedAdamW(b.parameters(), backend="cpu", **HP, **FORMATS[fmt])
+    ob.load_state_dict(sd)
+    mask = prune(b, "torch")
+    train(b, ob, 1, 2)
+    w = b[0].weight.float()
+    assert not torch.isnan(w).any() and float(w[~mask].abs().max()) <= 2 * HP["lr"]
+    assert float(a[0].weight.float()[~mask].abs().max()) > 10 * HP["lr"]      # the pruned values were not ~0
+    c = net(seed=9).to(BF)
+    before = [p.detach().clone() for p in c.parameters()]
+    oc = zk.FusedAdamW(c.parameters(), backend="cpu", **HP, **FORMATS[fmt])
+    oc.load_state_dict(sd)
+    oc.param_groups[0]["lr"] = 0.0
+    train(c, oc, 1, 3)
+    assert all(torch.equal(p, q) for p, q in zip(c.parameters(), before))
+    assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), before))   # a's masters would differ
+
+
 def test_model_cast_to_fp32_continues_from_its_masters():
     """``model.float()`` after steps with fp32 masters: the fp32 parameters take their masters' values and train
     on as fp32 parameters (the master dropped), like a model trained in fp32 from those masters."""

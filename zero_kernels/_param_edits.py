@@ -30,7 +30,11 @@ from ._launch_plan import local
 # price of 2 bytes instead of 4; zeroing every remainder of a changed tensor instead would cost a
 # consistent checkpoint loaded optimizer-first its exact resume). The same adoption, of
 # every master, is ``refresh_fp32_params()`` (DeepSpeed's name): for writes through ``p.data``, which bypass
-# the version counter, and nothing else does. Not under torch.compile (the traced step reads no counter).
+# the version counter, and nothing else does. ``load_state_dict`` counts every parameter as written
+# (``all_written``): its masters are adopted by the next step, so a write made after the load (pruning a resumed
+# model) stands, and parameters that do not match the loaded states (another model's, or none loaded) are what
+# the run continues from, as torch.optim.AdamW's load leaves them; a consistent checkpoint loaded in either
+# order keeps every master. Not under torch.compile (the traced step reads no counter).
 # ZeroAdamW stages 1-2 do the same per bucket (``FlatBucket.adopt_edits``: this rank's master slice brought to
 # its slice of the working parameters); stage 3 keeps no parameters between steps (the model holds empty
 # placeholders: ``model.load_state_dict`` raises there; ``load_checkpoint`` is its way in).
@@ -50,6 +54,12 @@ def watch(state: dict[Tensor, dict]) -> Watch:
     """The parameters of ``state`` (an optimizer's ``state``) that have a master, with their versions now."""
     params = [p for p, st in state.items() if any(k in st for k in MASTER_KEYS)]
     return Watch(params, [p._version for p in params])
+
+
+def all_written(state: dict[Tensor, dict]) -> Watch:
+    """``watch(state)`` with every parameter counted as written since (no version counter is negative)."""
+    params = watch(state).params
+    return Watch(params, [-1] * len(params))
 
 
 def renew(w: Watch) -> Watch:

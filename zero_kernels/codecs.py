@@ -75,9 +75,13 @@ Integer arithmetic below is on uint32 (wrapping); here it runs on int64 tensors 
    ``linear_signed`` ((k - 127) / 127), ``linear_unsigned`` (k / 255), ``sqrt_unsigned`` ((k / 255)^2).
 
 3. **float8_e4m3fn blockwise** (``encode_f8`` / ``decode_f8``): the same 256-element blocks, one fp32
-   ``scale = absmax / 448`` per block (448 = e4m3fn's largest finite value), ``code = e4m3fn(x / scale)``
-   (IEEE division, then round-to-nearest-even into e4m3fn, torch's cast; y = 0 where scale == 0),
-   ``x' = float(code) * scale``. Signed for both moments (e4m3fn has a sign bit). exp_avg_sq
+   ``scale = absmax / 448`` per block (448 = e4m3fn's largest finite value), ``y = x / scale`` (IEEE
+   division; y = 0 where scale == 0), ``code = e4m3fn(clamp(y, -448, 448))`` (round to nearest even, NaN to
+   NaN), ``x' = float(code) * scale``. The clamp SATURATES: a subnormal scale (absmax < 448 * 2^-126, a
+   moment decayed towards 0) is rounded by up to half its few bits, so y can pass 464, where an unclamped cast
+   (c10's scalar conversion, the kernels' before it) gives the NaN code 0x7F, and the block's next scale and
+   parameter turn NaN; torch 2.13's CPU cast saturates, so the clamp also keeps the codec off torch's
+   choice. Signed for both moments (e4m3fn has a sign bit). exp_avg_sq
    (``encode_f8_v``): a code 0 of a nonzero ``y`` is stored as 1 (the smallest subnormal, ``scale * 2^-9``),
    so a nonzero v never decodes to 0 (short of an underflowing scale, absmax < 448 * 2^-149). e4m3fn spans
    only 448 / 2^-9 = 2.3e5 under its block's largest v; a v further below it coded as 0 made the next
@@ -329,7 +333,7 @@ def _encode_f8(x: Tensor, floor: bool) -> tuple[Tensor, Tensor]:
     xb = _blocks(x)
     scale = _div_const(xb.abs().amax(dim=1), F8_MAX)
     y = torch.where(scale[:, None] == 0, 0.0, xb / scale[:, None]).reshape(-1)[: x.numel()]
-    codes = y.to(torch.float8_e4m3fn).view(torch.uint8)
+    codes = torch.clamp(y, -F8_MAX, F8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)   # saturate (Note, 3)
     if floor:
         codes = torch.where((codes == 0) & (y != 0), 1, codes).to(torch.uint8)
     return codes.view(torch.float8_e4m3fn).view(x.shape), scale

@@ -196,7 +196,9 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         of 16-bit parameters are fp32 (torch casts floating state to the parameter's dtype): an fp32
         saved state is kept as saved, a 16-bit one (saved by torch.optim, or a 16-bit master) is
         upcast exactly. States saved in another format than this optimizer's are converted first
-        ([Note: coded state dicts] in optim_coded.py)."""
+        ([Note: coded state dicts] in optim_coded.py). The next step adopts the parameters as they are then
+        into the loaded masters ([Note: parameters edited outside the optimizer]): a write after the load
+        stands, as with torch."""
         coded = self._format.coded
         state_dict = optim_coded.convert_state_dict(state_dict, self.param_groups, self._format)
         saved = state_dict["state"]
@@ -221,6 +223,7 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
                 v = saved[sid].get(k)
                 if isinstance(v, Tensor):
                     self.state[p][k] = v.to(device=p.device, dtype=torch.float32, copy=True)
+        self._watch = _param_edits.all_written(self.state)   # [Note: parameters edited outside the optimizer]
 
     # ------------------------------------------------------------------ state
     def _uses_master(self, p: Tensor) -> bool:
