@@ -63,3 +63,91 @@ def test_zero_trainer_refuses_a_loss_scale():
     from zero_kernels.integrations.hf import ZeroTrainer
     with pytest.raises(ValueError, match="loss_scale='dynamic' needs the loss multiplied"):
         ZeroTrainer(zero_kwargs={"loss_scale": "dynamic"})
+
+
+def _bf16_losses(rank, world, mode, out):
+    """One rank: 3 steps of a one-layer GPT-2 with TrainingArguments(bf16=True); the dtypes c_attn produced and
+    the logged losses, saved to ``out``."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    class Tokens(torch.utils.data.Dataset):
+        x = torch.randint(0, 97, (24, 16), generator=torch.Generator().manual_seed(3))
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.x[i], "labels": self.x[i]}
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_positions=16, n_embd=32, n_layer=1, n_head=2,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    seen = set()
+    model.transformer.h[0].attn.c_attn.register_forward_hook(lambda m, i, o: seen.add(o.dtype))
+    args = TrainingArguments(output_dir=os.path.join(os.path.dirname(out), mode), max_steps=3, bf16=True,
+                             per_device_train_batch_size=2, learning_rate=1e-2, report_to=[], use_cpu=True, seed=0,
+                             logging_steps=1, disable_tqdm=True, save_strategy="no")
+    trainer = (Trainer(model=model, args=args, train_dataset=Tokens()) if mode == "plain" else
+               ZeroTrainer(model=model, args=args, train_dataset=Tokens(), zero_stage=2))
+    trainer.train()
+    torch.save({"dtypes": seen, "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e]}, out)
+
+
+def test_zero_trainer_autocasts_under_bf16(tmp_path):
+    """TrainingArguments(bf16=True): forward runs under bf16 autocast as for the plain Trainer, and the losses are
+    the plain Trainer's. Before, ZeroTrainer marked the model prepared, accelerate skipped its autocast wrap and
+    the run trained in fp32 without a word."""
+    from _dist import run_world
+    res = {}
+    for mode in ("plain", "zero"):
+        run_world(_bf16_losses, 1, mode, str(tmp_path / f"{mode}.pt"))
+        res[mode] = torch.load(tmp_path / f"{mode}.pt", weights_only=False)
+    assert res["plain"]["dtypes"] == {torch.bfloat16}                     # the control: bf16 reaches c_attn
+    assert res["zero"]["dtypes"] == {torch.bfloat16}
+    assert len(res["zero"]["losses"]) == 3 and res["zero"]["losses"] == pytest.approx(res["plain"]["losses"], abs=1e-6)
+
+
+def _best_model(rank, world, out):
+    """One rank, stage 3: evaluation and a checkpoint after every step, load_best_model_at_end with the HIGHEST
+    eval loss as the best (the first checkpoint, not the last); saves the final full weights and each
+    checkpoint's."""
+    from safetensors.torch import load_file
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    class Tokens(torch.utils.data.Dataset):
+        x = torch.randint(0, 97, (24, 16), generator=torch.Generator().manual_seed(3))
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.x[i], "labels": self.x[i]}
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_positions=16, n_embd=32, n_layer=1, n_head=2,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    d = os.path.dirname(out)
+    args = TrainingArguments(output_dir=d, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,
+                             report_to=[], use_cpu=True, seed=0, disable_tqdm=True, eval_strategy="steps",
+                             eval_steps=1, save_strategy="steps", save_steps=1, load_best_model_at_end=True,
+                             metric_for_best_model="eval_loss", greater_is_better=True)
+    trainer = ZeroTrainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(), zero_stage=3)
+    trainer.train()
+    full = trainer.zero_optimizer.full_model_state_dict()
+    ck = {c: load_file(os.path.join(d, f"checkpoint-{c}", "model.safetensors")) for c in (1, 3)}
+    torch.save({"best": trainer.state.best_model_checkpoint, "final": full, "ck": ck}, out)
+
+
+def test_zero_trainer_loads_the_best_model_at_end_at_stage_3(tmp_path):
+    """load_best_model_at_end at stage 3 restores the best checkpoint from its ZeroAdamW checkpoint. Before, the
+    Trainer loaded a state dict into the module's freed (empty) parameters and failed after the whole run."""
+    from _dist import run_world
+    run_world(_best_model, 1, str(tmp_path / "best.pt"))
+    r = torch.load(tmp_path / "best.pt", weights_only=False)
+    assert r["best"].endswith("checkpoint-1")
+    saved = r["ck"][1]
+    for k, v in saved.items():
+        assert torch.equal(r["final"][k], v), k
+    assert any(not torch.equal(r["ck"][3][k], v) for k, v in saved.items())   # the last checkpoint differs

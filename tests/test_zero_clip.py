@@ -208,6 +208,23 @@ def _case_wrappers(rank, world, stage, tmp):
     _train_through(stage, world, ref_params, ref_norms, lambda m, o: zt._clip_grad_norm(m), model, zopt)
 
 
+def _case_ddp_wrapped(rank, world, stage):
+    model = make_model()
+    zopt = _zopt(stage, model)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    with pytest.raises(ShardedGradError, match=r"used during backward .*DistributedDataParallel around the model"):
+        for s in range(2):                      # DDP's reducer reaches p.grad in the second backward
+            loss_fn(ddp, *_rows(s, world)).backward()
+            zopt.step()
+            zopt.zero_grad()
+
+
+def test_model_wrapped_in_ddp_is_named_during_backward():
+    """A ZeRO model wrapped in DistributedDataParallel (accelerate's prepare(model)): DDP's reducer touches the
+    p.grad placeholders during backward, and the ShardedGradError names DDP and the fix, not clipping."""
+    run_world(_case_ddp_wrapped, 2, 2)
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_wrappers_route_or_raise(stage, tmp_path):
     pytest.importorskip("transformers")

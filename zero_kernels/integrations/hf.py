@@ -11,8 +11,10 @@ Install with ``pip install 'zero_kernels[hf]'`` (transformers + accelerate).
 What the plain Trainer would get wrong with a ZeRO optimizer, and what the subclass does instead:
 - At world size > 1 the Trainer (through accelerate) wraps the model in DistributedDataParallel, which
   would all-reduce every gradient that ZeroAdamW already reduce-scatters (and, at stage 3, fight over
-  the parameters' storage). ZeroTrainer marks the model as prepared, accelerate's own "do not wrap again"
-  flag, so the model stays unwrapped; ``trainer.model_wrapped is trainer.model``.
+  the parameters' storage). ZeroTrainer prepares the model with accelerate's ``evaluation_mode`` (no DDP;
+  with ``bf16=True`` forward runs under autocast, as for the plain Trainer: merely marking the model prepared
+  skipped that, and bf16 runs trained in fp32, silently) and marks it prepared, accelerate's own "do not
+  wrap again" flag, so the model stays unwrapped; ``trainer.model_wrapped is trainer.model``.
 - The optimizer is the Trainer's own choice (``create_optimizer``: AdamW with its decay / no-decay
   groups from ``TrainingArguments``) translated into ZeroAdamW with the same groups and hyper-parameters.
 - ``max_grad_norm`` clips with ``ZeroAdamW.clip_grad_norm_`` (the global norm over every shard): the
@@ -20,7 +22,8 @@ What the plain Trainer would get wrong with a ZeRO optimizer, and what the subcl
   ([Note: gradient placeholders] in zero/grad_guard.py: p.grad holds no averaged gradient).
 - ``save_model`` / ``save_pretrained`` write the gathered full weights (at stage 3 the module's own
   ``state_dict()`` holds freed parameters); intermediate checkpoints add ZeroAdamW's resharding
-  checkpoint (``zero_optimizer/``) and ``resume_from_checkpoint`` restores parameters and states from it.
+  checkpoint (``zero_optimizer/``) and ``resume_from_checkpoint`` restores parameters and states from it, as
+  ``load_best_model_at_end`` does from the best checkpoint.
 """
 from __future__ import annotations
 
@@ -50,7 +53,10 @@ class ZeroTrainer(Trainer):
         if self.optimizer is not None and not isinstance(self.optimizer, ZeroAdamW):
             raise ValueError("ZeroTrainer builds its ZeroAdamW itself: leave optimizers=(None, scheduler) or pass "
                              "a ZeroAdamW constructed from the model")
-        self.model._is_accelerate_prepared = True     # accelerate: already prepared, never wrap in DDP
+        # accelerate's preparation without its DDP wrap (evaluation_mode): bf16=True autocasts forward as for the
+        # plain Trainer; then marked prepared (accelerate's own flag), so the Trainer's prepare never wraps it
+        self.model = self.accelerator.prepare_model(self.model, evaluation_mode=True)
+        self.model._is_accelerate_prepared = True
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
@@ -92,6 +98,12 @@ class ZeroTrainer(Trainer):
             raise FileNotFoundError(f"{resume_from_checkpoint} has no {ZERO_CHECKPOINT_DIR}/: not a checkpoint "
                                     "written by ZeroTrainer")
         # the parameters are restored with the optimizer states, in _load_optimizer_and_scheduler
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's ZeroAdamW checkpoint (parameters with their optimizer
+        states, as DeepSpeed's engine loads its own); the Trainer's loads a state dict into the module, which at
+        stage 3 holds freed parameters."""
+        self.zero_optimizer.load_checkpoint(os.path.join(self.state.best_model_checkpoint, ZERO_CHECKPOINT_DIR))
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         if checkpoint is None:

@@ -62,6 +62,14 @@ def _message(g: "ShardedGrad", op: str) -> str:
         return (f"p.grad.zero_() of parameter {g.param_name!r} on a ZeRO-{g.stage} model between backward and "
                 f"step() cannot drop its gradient: it was already reduced into ZeroAdamW's sharded slices. "
                 f"Call zopt.zero_grad() (or model.zero_grad(), which sets p.grad to None, followed by it).")
+    if _in_backward():              # no user code runs there: a hook of a wrapper that reduces gradients too
+        return (f"p.grad of parameter {g.param_name!r} on a ZeRO-{g.stage} model was used during backward (torch "
+                f"op `{op}`): something besides ZeroAdamW reduces the gradients, most likely "
+                f"DistributedDataParallel around the model (accelerate's prepare(model), a plain Trainer, "
+                f"Lightning's ddp strategy). ZeroAdamW reduces them itself: give it, and train, the unwrapped "
+                f"model (accelerate: model = accelerator.prepare_model(model, evaluation_mode=True), then "
+                f"model._is_accelerate_prepared = True before prepare(...); Hugging Face: ZeroTrainer; "
+                f"Lightning: the zk_zeroN strategies).")
     where = ("holds this rank's local, not yet averaged gradient until step() reduce-scatters it, so a norm "
              "or clamp computed from it differs on every rank and from DDP's") if g.stage == 1 else \
             ("holds no data: the averaged gradient is sharded across the ranks inside ZeroAdamW (each rank "
