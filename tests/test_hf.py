@@ -65,12 +65,8 @@ def test_zero_trainer_refuses_a_loss_scale():
         ZeroTrainer(zero_kwargs={"loss_scale": "dynamic"})
 
 
-def _bf16_losses(rank, world, mode, out):
-    """One rank: 3 steps of a one-layer GPT-2 with TrainingArguments(bf16=True); the dtypes c_attn produced and
-    the logged losses, saved to ``out``."""
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-    from zero_kernels.integrations.hf import ZeroTrainer
-
+def _one_layer_gpt2():
+    """(a one-layer GPT-2 from seed 0, a Dataset class of 24 random 16-token rows) for the in-process runs."""
     class Tokens(torch.utils.data.Dataset):
         x = torch.randint(0, 97, (24, 16), generator=torch.Generator().manual_seed(3))
 
@@ -81,8 +77,18 @@ def _bf16_losses(rank, world, mode, out):
             return {"input_ids": self.x[i], "labels": self.x[i]}
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_positions=16, n_embd=32, n_layer=1, n_head=2,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=97, n_positions=16, n_embd=32, n_layer=1, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0)), Tokens
+
+
+def _bf16_losses(rank, world, mode, out):
+    """One rank: 3 steps of a one-layer GPT-2 with TrainingArguments(bf16=True); the dtypes c_attn produced and
+    the logged losses, saved to ``out``."""
+    from transformers import Trainer, TrainingArguments
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    model, Tokens = _one_layer_gpt2()
     seen = set()
     model.transformer.h[0].attn.c_attn.register_forward_hook(lambda m, i, o: seen.add(o.dtype))
     args = TrainingArguments(output_dir=os.path.join(os.path.dirname(out), mode), max_steps=3, bf16=True,
@@ -113,21 +119,10 @@ def _best_model(rank, world, out):
     eval loss as the best (the first checkpoint, not the last); saves the final full weights and each
     checkpoint's."""
     from safetensors.torch import load_file
-    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+    from transformers import TrainingArguments
     from zero_kernels.integrations.hf import ZeroTrainer
 
-    class Tokens(torch.utils.data.Dataset):
-        x = torch.randint(0, 97, (24, 16), generator=torch.Generator().manual_seed(3))
-
-        def __len__(self):
-            return len(self.x)
-
-        def __getitem__(self, i):
-            return {"input_ids": self.x[i], "labels": self.x[i]}
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_positions=16, n_embd=32, n_layer=1, n_head=2,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    model, Tokens = _one_layer_gpt2()
     d = os.path.dirname(out)
     args = TrainingArguments(output_dir=d, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,
                              report_to=[], use_cpu=True, seed=0, disable_tqdm=True, eval_strategy="steps",
