@@ -177,6 +177,7 @@ class HookReduced:
         n = len(ctx.layout.params)
         self.had_grad = [0] * n         # since the last zero_grad(set_to_none=True)
         self.arrived_step = [0] * n     # in this step's backwards
+        self.stepped = [0] * n          # had_grad at the last step (what zero_grad(set_to_none=False) keeps)
         self.reducer = reducer_cls(ctx.buckets, ctx.group, ctx.config.reduce_dtype, ctx.config.overlap_comm,
                                    self.mark_grad, pool_keep=2, timeout=ctx.config.timeout, mesh=ctx.mesh,
                                    **reducer_kwargs)
@@ -198,9 +199,14 @@ class HookReduced:
             self.reducer.sync = prev
 
     def zero_grad(self, set_to_none: bool) -> None:
+        """As torch's: ``set_to_none=False`` leaves every parameter that had a gradient at the last step with a
+        zero one (stepped again, its moments decaying and weight decay applied, even if no gradient arrives);
+        ``True`` leaves none."""
         self.reducer.zero_grad(set_to_none)
         if set_to_none:
             self.had_grad = [0] * len(self.had_grad)
+        else:
+            self.had_grad = [a | b for a, b in zip(self.had_grad, self.stepped)]
 
     def check_grads(self) -> None:
         self.reducer.check_held()   # [Note: dropped gradients] in hooks.py
@@ -234,7 +240,9 @@ class HookReduced:
         # optimizer's slices, not in p.grad, so model.zero_grad() (what Hugging Face's Trainer and many
         # loops call) cannot clear them: they would silently accumulate across steps. As DeepSpeed's
         # engine does, the step consumes them (zero_grad(set_to_none=True) semantics; the storage is
-        # kept for the next backward). Micro-batches between two steps still accumulate.
+        # kept for the next backward). Micro-batches between two steps still accumulate. Which parameters
+        # had a gradient is kept for zero_grad(set_to_none=False), which gives them zero gradients as torch's.
+        self.stepped = list(self.had_grad)
         self.zero_grad(set_to_none=True)
 
     def comm_bytes(self) -> int:
