@@ -318,6 +318,60 @@ def _case_storage_release():
     opt2.remove_hooks()
 
 
+class _Blk(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, use2):
+        x = torch.tanh(self.fc1(x))
+        return x + self.fc2(x) if use2 else x
+
+
+class _RankBranch(nn.Module):
+    """Four units in a chain; ``blk.fc2`` is used on rank 0 only (after step 0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.blk, self.out = nn.Linear(5, 8), nn.Linear(8, 8), _Blk(), nn.Linear(8, 3)
+
+    def forward(self, x, use2):
+        return self.out(self.blk(torch.tanh(self.b(torch.tanh(self.a(x)))), use2))
+
+
+def _case_rank_dependent_parameters():
+    """[Note: stage-3 launch points]: a parameter inside a unit used on some ranks only. Its bucket left early
+    where the gradient arrived and at the end of backward elsewhere, between the units' all-gathers: the ranks
+    waited for each other until the timeout. Now: as torch.optim.AdamW on the averaged gradient, buckets still
+    leave during backward (overlap), and no gradient of this chain of units arrives late."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _RankBranch()
+    ref = copy.deepcopy(model)
+    zopt = zk.ZeroAdamW(model, stage=3, lr=1e-2, weight_decay=0.1, timeout=30,
+                        wrap=lambda m: m in (model.a, model.b, model.blk, model.out))
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    reducer = zopt.strategy.reducer
+    launched_in_backward = []
+    model.a.register_full_backward_pre_hook(lambda m, g: launched_in_backward.append(reducer.next_launch))
+    for s in range(3):
+        for r in range(world):
+            g = torch.Generator().manual_seed(100 * s + r)
+            x, y = torch.randn(6, 5, generator=g), torch.randint(0, 3, (6,), generator=g)
+            if r == rank:
+                F.cross_entropy(model(x, r == 0 or s == 0), y).backward()
+            (F.cross_entropy(ref(x, r == 0 or s == 0), y) / world).backward()
+        assert not any(reducer.late), reducer.late
+        zopt.step()
+        zopt.zero_grad()
+        ropt.step()
+        ropt.zero_grad()
+    full = zopt.full_model_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    assert launched_in_backward and min(launched_in_backward) >= 2     # out's and blk's buckets had left
+
+
 def _world_cases(rank, world, which):
     failures = []
 
@@ -342,6 +396,8 @@ def _world_cases(rank, world, which):
         run("checkpoint prefetch 2", lambda: _case_ckpt_shared("non_reentrant", prefetch=2))
     if "prefetch" in which:
         run("prefetch order", _case_prefetch_order)
+    if "rank-dependent" in which:
+        run("rank-dependent parameters", _case_rank_dependent_parameters)
     if "storage" in which:
         run("storage release", _case_storage_release)
     if "mesh" in which:
@@ -351,7 +407,7 @@ def _world_cases(rank, world, which):
         raise AssertionError(f"rank {rank}/{world}: {len(failures)} case(s) failed:\n" + "\n".join(failures))
 
 
-WORLDS = {1: ("parity", "ckpt", "storage"), 2: ("parity", "cpu", "ckpt", "prefetch", "storage"),
+WORLDS = {1: ("parity", "ckpt", "storage"), 2: ("parity", "cpu", "ckpt", "prefetch", "storage", "rank-dependent"),
           3: ("parity", "ckpt"), 4: ("parity", "mesh")}
 
 

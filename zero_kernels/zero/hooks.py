@@ -15,7 +15,8 @@
 3. Buckets are reduce-scattered *in bucket order* (as DDP does; stage 3 in the order its units
    finish backward, ``launch_order``, see [Note: stage-3 reduce order] in stage3.py): a ready bucket
    waits for the buckets before it. Every rank therefore issues the same collectives in the same order even
-   when ranks use different parameters. ``overlap_comm=True`` launches them asynchronously from
+   when ranks use different parameters. (Stage 3 also all-gathers during backward: there a bucket leaves at
+   a unit's backward, not when ready, [Note: stage-3 launch points] in stage3.py.) ``overlap_comm=True`` launches them asynchronously from
    the hook, while backward continues; ``False`` defers them all to the end of backward.
 4. A bucket is ready when its *expected* parameters have arrived: those that got a gradient on
    some rank in the previous step (all of them in the first step; the set is all-reduced at step(),
@@ -81,6 +82,7 @@ class Stage2Reducer:
         self.mark_grad = mark_grad          # (bucket, local index) -> records "this param had a grad"
         self.sync = True                    # False inside no_sync()
         self.launch_order = list(buckets)   # buckets in reduce-scatter order (stage 3 sets it, note 3)
+        self.launch_when_ready = True       # stage 3 launches at its units' backward instead (note 3)
         self.next_launch = 0                # first bucket of launch_order not yet launched
         self.in_backward = False
         self.handles = []
@@ -164,7 +166,7 @@ class Stage2Reducer:
         if self.expected[b.index][li]:
             self.arrived_expected[b.index] += 1
         if self.arrived_expected[b.index] >= self.expected_count[b.index] or b.reduce.arrived == len(b.params):
-            if self.sync and self.overlap_comm:
+            if self.sync and self.overlap_comm and self.launch_when_ready:
                 self._launch_ready()
 
     def _placeholder(self, b: FlatBucket, li: int, p: torch.nn.Parameter) -> ShardedGrad:

@@ -43,6 +43,21 @@ allocator afterwards). After the first forward the reducer's order becomes the r
 which the units were first *entered* (a unit's backward ends after those entered after it, nested
 units included; the root last); units never called come last. The recorded forward order is the
 same on every rank (the requirement above), so the reduce-scatters are too.
+
+[Note: stage-3 launch points]
+Stage 2 launches a bucket once its expected gradients arrived, in launch order, and every rank issues the
+same reduce-scatters in the same order. Stage 3 also all-gathers in backward (each unit's pre-backward
+hook), and "arrived" depends on the rank: a parameter a rank did not use (a branch taken on rank 0 only)
+never arrives there, so its bucket waited for the end of backward on that rank but left early on the
+others. The two ranks then issued the reduce-scatter and the next unit's all-gather in opposite orders
+and each waited for the other (until the timeout; a deadlock without one). So at stage 3 buckets leave
+only at points every rank reaches in the same order: the first pre-backward of a unit ``u`` (before its
+all-gather) launches, in launch order, the buckets up to ``launch_cut[u]``: the leading run of
+``launch_order`` whose units were entered after ``u`` and are not nested in it. Those units' outputs
+feed ``u``'s output in a chain of units, so their backward is done when ``u``'s output gradient is ready
+(a tensor hook fires once every consumer contributed); the end of backward launches the rest. A gradient
+that still arrives after its bucket left (units on parallel branches, a unit called twice) takes the
+late path of hooks.py, point 4: correct, with one more reduce-scatter at step().
 """
 from __future__ import annotations
 
@@ -69,19 +84,38 @@ __all__ = ["Stage3", "Stage3Reducer"]
 # ---- the reducer: stage 2's, plus "free a bucket once all its gradients arrived" ---------------------
 class Stage3Reducer(Stage2Reducer):
     stage = 3
-
     def __init__(self, *args, on_backward_start: Callable[[], None], free_bucket: Callable[[UnitBucket], None],
                  **kwargs):
         super().__init__(*args, **kwargs)
         self.on_backward_start = on_backward_start
         self.free_bucket = free_bucket
+        self.launch_when_ready = False
+        self.launch_cut: dict[int, int] = {}    # unit -> buckets of launch_order its backward may launch
 
-    @torch.no_grad()
-    def on_grad(self, b: FlatBucket, li: int, p: nn.Parameter) -> None:
+    def _start_backward(self) -> None:
         if not self.in_backward:
             # The end-of-backward work is queued once, on the outermost backward (see note).
             self.in_backward = True
             self.on_backward_start()
+
+    @torch.no_grad()
+    def unit_backward(self, unit: int) -> None:
+        """The first pre-backward of ``unit`` in this backward: launch the buckets up to its cut
+        ([Note: stage-3 launch points]); the same on every rank."""
+        self._start_backward()
+        if not (self.sync and self.overlap_comm):
+            return
+        cut = self.launch_cut.get(unit, 0)
+        while self.next_launch < cut:
+            b = self.launch_order[self.next_launch]
+            if not b.reduce.launched:
+                self._launch(b)
+            self.next_launch += 1
+        self._reap()
+
+    @torch.no_grad()
+    def on_grad(self, b: FlatBucket, li: int, p: nn.Parameter) -> None:
+        self._start_backward()
         super().on_grad(b, li, p)
         if li in b.s3_arrived:
             # A second delivery in one backward (reentrant checkpoint regions run one nested backward
@@ -112,7 +146,8 @@ class Stage3(HookReduced):
         cfg = ctx.config
         self.runtime = UnitRuntime(units, ctx.buckets, ctx.group, ctx.rank, cfg.prefetch,
                                    cfg.reshard_after_forward, self._end_backward, cfg.timeout,
-                                   on_forward_order=self._reduce_in_backward_order)
+                                   on_forward_order=self._reduce_in_backward_order,
+                                   on_unit_backward=self._unit_backward)
         # overlap_comm honoured as in stage 2: False defers every reduce-scatter to the end of backward
         HookReduced.__init__(self, ctx, Stage3Reducer, on_backward_start=self.runtime.ensure_final_callback,
                              free_bucket=self.runtime.free)
@@ -133,13 +168,27 @@ class Stage3(HookReduced):
             "before save_pretrained(..., state_dict=sd)")
 
     def _reduce_in_backward_order(self, fwd_seq: list[int]) -> None:
-        """[Note: stage-3 reduce order]: called once, after the first forward (before any backward)."""
+        """[Note: stage-3 reduce order] and [Note: stage-3 launch points]: called once, after the first forward
+        (before any backward)."""
         entered: dict[int, int] = {}
         for pos, ui in enumerate(fwd_seq):
             entered.setdefault(ui, pos)
-        self.reducer.launch_order = sorted(
+        order = self.reducer.launch_order = sorted(
             self.ctx.buckets, key=lambda b: (0, -entered[b.spec.unit], b.index) if b.spec.unit in entered
             else (1, 0, b.index))
+        # [Note: stage-3 launch points]: the leading run of units entered after u and not nested in u
+        units = self.runtime.units
+        inside = [{id(m) for m in u.module.modules()} for u in units]
+        cut = self.reducer.launch_cut = {}
+        for ui in entered:
+            n = 0
+            while n < len(order) and entered.get(order[n].spec.unit, -1) > entered[ui] and \
+                    id(units[order[n].spec.unit].module) not in inside[ui]:
+                n += 1
+            cut[ui] = n
+
+    def _unit_backward(self, unit: int) -> None:
+        self.reducer.unit_backward(unit)
 
     def _end_backward(self) -> None:
         if self.reducer.in_backward:

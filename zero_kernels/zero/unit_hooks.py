@@ -48,7 +48,8 @@ class UnitRuntime:
 
     def __init__(self, units: list[tuple[str, nn.Module]], buckets: list[UnitBucket], group, rank: int,
                  prefetch: int, reshard_after_forward: bool, end_backward: Callable[[], None], timeout=None,
-                 on_forward_order: Callable[[list[int]], None] = lambda seq: None):
+                 on_forward_order: Callable[[list[int]], None] = lambda seq: None,
+                 on_unit_backward: Callable[[int], None] = lambda ui: None):
         self.group = group
         self.timeout = timeout                # every wait in these hooks is bounded by ZeroAdamW(timeout=)
         self.rank = rank
@@ -56,6 +57,7 @@ class UnitRuntime:
         self.reshard_after_forward = reshard_after_forward
         self.end_backward = end_backward      # the reducer's end-of-backward work
         self.on_forward_order = on_forward_order  # gets the unit order recorded in the first forward
+        self.on_unit_backward = on_unit_backward  # a unit's first pre-backward, before its gather (stage3.py)
         self.units = [_Unit(i, n, m, [b for b in buckets if b.spec.unit == i])
                       for i, (n, m) in enumerate(units)]
         # Gather cache limit: the gathered working set (root + current + prefetched + the unit
@@ -218,6 +220,8 @@ class UnitRuntime:
         def hook(grad, _token=token):    # the forward's token lives as long as this hook (unit_hold.py)
             with torch.no_grad():
                 self.ensure_final_callback()
+                if not u.bwd_seen:
+                    self.on_unit_backward(u.index)    # [Note: stage-3 launch points] in stage3.py
                 self._ensure(u)
                 if not u.bwd_seen:
                     u.bwd_seen = True
