@@ -219,10 +219,20 @@ def _case_ddp_wrapped(rank, world, stage):
             zopt.zero_grad()
 
 
-def test_model_wrapped_in_ddp_is_named_during_backward():
-    """A ZeRO model wrapped in DistributedDataParallel (accelerate's prepare(model)): DDP's reducer touches the
-    p.grad placeholders during backward, and the ShardedGradError names DDP and the fix, not clipping."""
+def _case_ddp_wrapped_stage3(rank, world):
+    model = make_model()
+    _zopt(3, model)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    with pytest.raises(RuntimeError, match="ZeRO-3 model is running inside DistributedDataParallel"):
+        loss_fn(ddp, *_rows(0, world))
+
+
+def test_model_wrapped_in_ddp_is_named():
+    """A ZeRO model wrapped in DistributedDataParallel (accelerate's prepare(model)): at stages 1-2 DDP's reducer
+    touches the p.grad placeholders during backward, and the ShardedGradError names DDP and the fix, not
+    clipping; at stage 3 forward refuses (DDP's backward failed on a 0-element gradient, naming neither)."""
     run_world(_case_ddp_wrapped, 2, 2)
+    run_world(_case_ddp_wrapped_stage3, 2)
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -157,6 +157,7 @@ class UnitRuntime:
                 self._ensure(u)
                 return None
             if u.index == 0:
+                _refuse_ddp(module)
                 if self.hold.start_forward():         # held for a backward that never came
                     for x in self.units[1:]:
                         self._free_unit(x)
@@ -264,6 +265,20 @@ class UnitRuntime:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+def _refuse_ddp(root: nn.Module) -> None:
+    """A stage-3 model run by DistributedDataParallel (accelerate's ``prepare(model)``, a plain Trainer): DDP
+    would reduce gradients ZeroAdamW reduces itself, over parameters that are freed placeholders outside
+    forward (its backward then fails on a 0-element gradient, far from the cause). Raised in forward."""
+    active = getattr(nn.parallel.DistributedDataParallel, "_get_active_ddp_module", None)
+    ddp = active() if active is not None else None
+    if ddp is not None and ddp.module is root:
+        raise RuntimeError(
+            "a ZeRO-3 model is running inside DistributedDataParallel: ZeroAdamW reduces the gradients and "
+            "gathers the parameters itself, so give it, and train, the unwrapped model (accelerate: model = "
+            "accelerator.prepare_model(model, evaluation_mode=True), then model._is_accelerate_prepared = True "
+            "before prepare(...); Hugging Face: ZeroTrainer; Lightning: the zk_zeroN strategies)")
 
 
 def _grad_tensors(output) -> list[Tensor]:
