@@ -57,6 +57,12 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+# what a model wrapped in DistributedDataParallel should be instead (also unit_hooks.py, at stage 3)
+UNWRAPPED = ("give it, and train, the unwrapped model (accelerate: model = accelerator.prepare_model(model, "
+             "evaluation_mode=True), then model._is_accelerate_prepared = True before prepare(...); Hugging Face: "
+             "ZeroTrainer; Lightning: the zk_zeroN strategies)")
+
+
 def _message(g: "ShardedGrad", op: str) -> str:
     if op == "zero_":               # model.zero_grad(set_to_none=False) between backward and step
         return (f"p.grad.zero_() of parameter {g.param_name!r} on a ZeRO-{g.stage} model between backward and "
@@ -66,10 +72,7 @@ def _message(g: "ShardedGrad", op: str) -> str:
         return (f"p.grad of parameter {g.param_name!r} on a ZeRO-{g.stage} model was used during backward (torch "
                 f"op `{op}`): something besides ZeroAdamW reduces the gradients, most likely "
                 f"DistributedDataParallel around the model (accelerate's prepare(model), a plain Trainer, "
-                f"Lightning's ddp strategy). ZeroAdamW reduces them itself: give it, and train, the unwrapped "
-                f"model (accelerate: model = accelerator.prepare_model(model, evaluation_mode=True), then "
-                f"model._is_accelerate_prepared = True before prepare(...); Hugging Face: ZeroTrainer; "
-                f"Lightning: the zk_zeroN strategies).")
+                f"Lightning's ddp strategy). ZeroAdamW reduces them itself: {UNWRAPPED}.")
     where = ("holds this rank's local, not yet averaged gradient until step() reduce-scatters it, so a norm "
              "or clamp computed from it differs on every rank and from DDP's") if g.stage == 1 else \
             ("holds no data: the averaged gradient is sharded across the ranks inside ZeroAdamW (each rank "

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd import Variable
 
+from .grad_guard import UNWRAPPED
 from .timeouts import scoped
 from .unit_bucket import FREE, UnitBucket, cache_module
 from .unit_hold import BackwardHold
@@ -276,9 +277,7 @@ def _refuse_ddp(root: nn.Module) -> None:
     if ddp is not None and ddp.module is root:
         raise RuntimeError(
             "a ZeRO-3 model is running inside DistributedDataParallel: ZeroAdamW reduces the gradients and "
-            "gathers the parameters itself, so give it, and train, the unwrapped model (accelerate: model = "
-            "accelerator.prepare_model(model, evaluation_mode=True), then model._is_accelerate_prepared = True "
-            "before prepare(...); Hugging Face: ZeroTrainer; Lightning: the zk_zeroN strategies)")
+            f"gathers the parameters itself: {UNWRAPPED}")
 
 
 def _grad_tensors(output) -> list[Tensor]:
