@@ -179,11 +179,32 @@ def _case_bf16_nan(rank, stage):
     assert opt.steps[0] == 2 and all(torch.isfinite(t).all() for t in _state(opt))
 
 
+def _case_unscaled_backward(rank):
+    """loss_scale set, loss.backward() without zopt.scale_loss: the step would divide unscaled gradients by the
+    scale (every update 1024x too small, silently). It raises before anything changes; scaled, it steps."""
+    model = make_model()
+    opt = zk.ZeroAdamW(model, stage=2, loss_scale=1024.0, bucket_size=64, backend="reference")
+    before, params = _state(opt), [p.detach().clone() for p in model.parameters()]
+    _backward(model, 0)
+    with pytest.raises(RuntimeError, match=r"zopt\.scale_loss\(loss\) was not called since the last step"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(opt))) and opt.steps[0] == 0
+    assert all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+    opt.zero_grad()
+    _backward(model, 0, opt.scale_loss)
+    opt.step()
+    assert opt.steps[0] == 1
+    _backward(model, 1)                          # the flag does not outlive its step
+    with pytest.raises(RuntimeError, match="scale_loss"):
+        opt.step()
+
+
 def _precision_world(rank, world):
     fails = []
     for name, fn in [("dynamic s1", lambda: _case_dynamic(rank, 1)), ("dynamic s2", lambda: _case_dynamic(rank, 2)),
                      ("dynamic s3", lambda: _case_dynamic(rank, 3)),
                      ("gradscaler", lambda: _case_gradscaler(rank)), ("static exact", lambda: _case_static_exact(rank)),
+                     ("unscaled backward", lambda: _case_unscaled_backward(rank)),
                      ("bf16 nan s1", lambda: _case_bf16_nan(rank, 1)), ("bf16 nan s2", lambda: _case_bf16_nan(rank, 2)),
                      ("bf16 nan s3", lambda: _case_bf16_nan(rank, 3))]:
         try:
@@ -701,3 +722,19 @@ def test_unfrozen_parameter_refused_and_freezing_later_trains_world2(tmp_path):
     for stage, full in zip((1, 2, 3), fulls):
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"stage {stage} {k}: {m}")
+
+
+@pytest.mark.parametrize("interval", [1, 2, 3])
+def test_dynamic_scale_follows_torch_amp_update_scale(interval):
+    """The dynamic loss scale is torch._amp_update_scale_'s, step for step, near the top of fp32 too: it never
+    grows past fp32's range (it grew to 2**128, inf in fp32: every other step overflowed, was skipped and backed
+    off, without a word)."""
+    from zero_kernels.zero.scaling import DynamicLossScaler
+    ours = DynamicLossScaler(init_scale=2.0 ** 124, growth_interval=interval)
+    scale, tracker = torch.tensor([2.0 ** 124]), torch.zeros(1, dtype=torch.int32)
+    pattern = [False] * 12 + [True] + [False] * 9 + [True, True] + [False] * 6
+    for found in pattern:
+        ours.update(found)
+        torch._amp_update_scale_(scale, tracker, torch.tensor([float(found)]), 2.0, 0.5, interval)
+        assert ours.scale == float(scale) and ours.growth_tracker == int(tracker)
+    assert ours.scale <= torch.finfo(torch.float32).max

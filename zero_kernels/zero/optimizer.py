@@ -191,6 +191,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         check_bound(self.buckets)                       # [Note: bound parameters] (buckets.py)
         check_frozen(self._frozen_named)                # a parameter unfrozen since construction
         check_amsgrad(self.param_groups, self.buckets)  # set on a group since construction
+        if closure is None:
+            self.scaling.check_scaled()                 # a loss scale needs zopt.scale_loss(loss).backward()
         for b in self.buckets:                          # [Note: parameters edited outside the optimizer]
             b.adopt_edits()
         grad_scale = grad_scale if grad_scale is not None else getattr(self, "grad_scale", None)
@@ -200,6 +202,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+            self.scaling.check_scaled()
         self.strategy.check_grads()                     # [Note: dropped gradients] (hooks.py)
         self.strategy.start_reduction()
         active = self._active()
@@ -301,7 +304,7 @@ class ZeroAdamW(torch.optim.Optimizer):
     def scale_loss(self, loss: Tensor) -> Tensor:
         """``loss * scale`` with ``loss_scale="dynamic"`` or a float (identity otherwise); call
         ``.backward()`` on the result. The step unscales inside the fused kernel."""
-        return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
+        return self.scaling.scale_loss(loss)
 
     @bounded_by_timeout
     def save_checkpoint(self, path) -> str:

@@ -10,7 +10,8 @@ every rank takes the same decision. A skipped step changes nothing: masters, exp
 
 * ``loss_scale="dynamic"``: the scale is multiplied by ``backoff_factor`` (0.5) and the growth
   counter restarts; after ``growth_interval`` consecutive good steps it is multiplied by
-  ``growth_factor`` (2.0) -- the semantics of ``torch.amp.GradScaler`` / ``torch._amp_update_scale_``.
+  ``growth_factor`` (2.0) unless that would pass fp32's range -- the semantics of ``torch.amp.GradScaler`` /
+  ``torch._amp_update_scale_``.
 * ``loss_scale=<float>``: a static scale; non-finite steps are skipped (and counted) as well.
 * ``loss_scale=None`` (bf16 / fp32): the skip is counted in ``zopt.skipped_steps`` and reported
   with ``warnings.warn`` -- a non-finite gradient never silently reaches the masters.
@@ -48,12 +49,17 @@ from .mesh import ZeroMesh, all_reduce_everywhere
 __all__ = ["DynamicLossScaler", "make_scaler", "StepScaling"]
 
 
+def _finite_fp32(x: float) -> bool:
+    """``x`` rounded to fp32 (the scale the kernels use) is finite."""
+    return bool(torch.isfinite(torch.tensor(x, dtype=torch.float32)))
+
+
 class DynamicLossScaler:
     """Loss scale state (plain floats/ints, so it goes into checkpoint metadata as is)."""
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, dynamic: bool = True):
-        if init_scale <= 0 or not torch.isfinite(torch.tensor(float(init_scale))):
+        if init_scale <= 0 or not _finite_fp32(float(init_scale)):
             raise ValueError(f"loss scale must be a finite positive number, got {init_scale!r}")
         if growth_factor <= 1.0 or not (0.0 < backoff_factor < 1.0):
             raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor}, "
@@ -76,7 +82,9 @@ class DynamicLossScaler:
         else:
             self.growth_tracker += 1
             if self.growth_tracker == self.growth_interval:
-                self.scale *= self.growth_factor
+                grown = self.scale * self.growth_factor
+                if _finite_fp32(grown):     # as torch._amp_update_scale_: never past fp32 (inf: every other step
+                    self.scale = grown      # overflowed, was skipped and backed off)
                 self.growth_tracker = 0
 
     def state_dict(self) -> dict[str, Any]:
@@ -134,6 +142,25 @@ class StepScaling:
         self.group, self.rank, self.world, self.stage, self.device = group, rank, world, stage, device
         self.skipped_steps = 0
         self.mesh = mesh if mesh is not None else ZeroMesh(group, None)
+        self.loss_scaled = False            # scale_loss() called since the last step (check_scaled)
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """``loss * scale`` with a loss scaler (``loss_scale="dynamic"`` or a float), else ``loss``."""
+        if self.loss_scaler is None:
+            return loss
+        self.loss_scaled = True
+        return loss * self.loss_scaler.scale
+
+    def check_scaled(self) -> None:
+        """With ``loss_scale="dynamic"`` or a float the step divides the gradients by the scale: refuse, before
+        anything changes, a step whose backward did not go through ``scale_loss`` (a plain
+        ``loss.backward()`` would silently shrink every update by the scale, 65536 by default)."""
+        if self.loss_scaler is not None and not self.loss_scaled:
+            raise RuntimeError(
+                f"ZeroAdamW(loss_scale=...) divides the gradients by the loss scale ({self.loss_scaler.scale:g}), "
+                f"but zopt.scale_loss(loss) was not called since the last step: call "
+                f"zopt.scale_loss(loss).backward() instead of loss.backward() (or construct without loss_scale, "
+                f"as bf16 needs). Nothing was changed.")
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data for the shard state dict: the loss scaler's state (None without one; a GradScaler given
@@ -199,6 +226,7 @@ class StepScaling:
         elif self.loss_scaler is not None:
             inv = torch.full((1,), 1.0 / self.loss_scaler.scale, dtype=torch.float32, device=self.device)
             self.loss_scaler.update(found)
+        self.loss_scaled = False
         if found:
             self.skipped_steps += 1
             if found_inf is None and (self.loss_scaler is None or not self.loss_scaler.dynamic):
