@@ -372,6 +372,62 @@ def _case_rank_dependent_parameters():
     assert launched_in_backward and min(launched_in_backward) >= 2     # out's and blk's buckets had left
 
 
+class _Regions(nn.Module):
+    """inp -> two checkpointed regions of three Linear units each (each region ends in a Linear) -> out."""
+
+    def __init__(self, mode):
+        super().__init__()
+        self.inp, self.out = nn.Linear(5, 8), nn.Linear(8, 3)
+        self.l = nn.ModuleList([nn.Linear(8, 8) for _ in range(6)])
+        self.mode = mode
+
+    def region(self, x, a, b):
+        for i in range(a, b):
+            x = self.l[i](torch.tanh(x))
+        return x
+
+    def forward(self, x):
+        x = self.inp(x)
+        for a, b in ((0, 3), (3, 6)):
+            x = checkpoint(self.region, x, a, b, use_reentrant=self.mode == "reentrant")
+        return self.out(x)
+
+
+def _case_checkpoint_regions(mode):
+    """[Note: stage-3 launch points] under activation checkpointing of several units at once. Reentrant: the
+    forward ran without grad and left no pre-backward hook, so the recomputation is where a unit's backward
+    starts (without it no bucket left before the end of backward). Non-reentrant: the recomputation runs
+    after the last unit's pre-backward and before its gradients, so it must not launch (it did: 6 of 8
+    buckets late)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _Regions(mode)
+    ref = _Regions(None)
+    ref.load_state_dict(model.state_dict())
+    zopt = zk.ZeroAdamW(model, stage=3, lr=1e-2, timeout=30, backend="reference", bucket_size=64,
+                        wrap=lambda m: isinstance(m, nn.Linear))
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    reducer = zopt.strategy.reducer
+    early = []
+    model.inp.register_full_backward_pre_hook(lambda m, g: early.append(reducer.next_launch))
+    for s in range(3):
+        g = torch.Generator().manual_seed(s)
+        x = torch.randn(world * 4, 5, generator=g, requires_grad=mode == "reentrant")
+        y = torch.randn(world * 4, 3, generator=g)
+        rows = slice(rank * 4, (rank + 1) * 4)
+        F.mse_loss(model(x[rows]), y[rows]).backward()
+        assert not any(reducer.late), (mode, reducer.late)
+        zopt.step()
+        zopt.zero_grad()
+        F.mse_loss(ref(x.detach()), y).backward()
+        ropt.step()
+        ropt.zero_grad()
+    full = zopt.full_model_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{mode} {k}: {m}")
+    assert len(reducer.launch_order) == 8 and min(early) >= (4 if mode == "reentrant" else 6), (mode, early)
+
+
 def _world_cases(rank, world, which):
     failures = []
 
@@ -394,6 +450,9 @@ def _world_cases(rank, world, which):
         for mode in (None, "non_reentrant", "reentrant"):
             run(f"checkpoint {mode}", lambda mode=mode: _case_ckpt_shared(mode))
         run("checkpoint prefetch 2", lambda: _case_ckpt_shared("non_reentrant", prefetch=2))
+        if world == 2:
+            for mode in ("non_reentrant", "reentrant"):
+                run(f"checkpoint regions {mode}", lambda mode=mode: _case_checkpoint_regions(mode))
     if "prefetch" in which:
         run("prefetch order", _case_prefetch_order)
     if "rank-dependent" in which:

@@ -45,19 +45,24 @@ units included; the root last); units never called come last. The recorded forwa
 same on every rank (the requirement above), so the reduce-scatters are too.
 
 [Note: stage-3 launch points]
-Stage 2 launches a bucket once its expected gradients arrived, in launch order, and every rank issues the
-same reduce-scatters in the same order. Stage 3 also all-gathers in backward (each unit's pre-backward
-hook), and "arrived" depends on the rank: a parameter a rank did not use (a branch taken on rank 0 only)
-never arrives there, so its bucket waited for the end of backward on that rank but left early on the
-others. The two ranks then issued the reduce-scatter and the next unit's all-gather in opposite orders
-and each waited for the other (until the timeout; a deadlock without one). So at stage 3 buckets leave
-only at points every rank reaches in the same order: the first pre-backward of a unit ``u`` (before its
-all-gather) launches, in launch order, the buckets up to ``launch_cut[u]``: the leading run of
-``launch_order`` whose units were entered after ``u`` and are not nested in it. Those units' outputs
-feed ``u``'s output in a chain of units, so their backward is done when ``u``'s output gradient is ready
-(a tensor hook fires once every consumer contributed); the end of backward launches the rest. A gradient
-that still arrives after its bucket left (units on parallel branches, a unit called twice) takes the
-late path of hooks.py, point 4: correct, with one more reduce-scatter at step().
+Stage 2 launches a bucket once its expected gradients arrived, in launch order, and every rank issues
+the same reduce-scatters in the same order. Stage 3 also all-gathers in backward (each unit's
+pre-backward hook), and "arrived" depends on the rank: a parameter a rank did not use (a branch taken on
+rank 0 only) never arrives there, so its bucket waited for the end of backward on that rank but left
+early on the others. The two ranks then issued the reduce-scatter and the next unit's all-gather in
+opposite orders and each waited for the other (until the timeout; a deadlock without one). So at stage 3
+buckets leave only at points every rank reaches in the same order: where the backward of a unit ``u``
+starts (its first pre-backward hook, before its all-gather; or, inside a reentrant checkpoint, whose
+forward ran without grad and left no such hook, its recomputation's pre-forward; a non-reentrant
+recomputation runs after the region's last pre-backward and before its gradients, so it is not one) it
+launches, in launch order, the buckets up to ``launch_cut[u]`` (the leading run of ``launch_order``
+whose units were entered after ``u`` and are not nested in it) as long as their units' backward started
+before. Those units' outputs feed ``u``'s output in a chain of units, so their backward is done when
+``u``'s output gradient is ready (a tensor hook fires once every consumer contributed); a unit
+recomputed later in the same checkpoint region has not started, so it waits. The end of backward
+launches the rest. A gradient that still arrives after its bucket left (units on parallel branches, a
+unit called twice, a first forward in another unit order) takes the late path of hooks.py, point 4:
+correct, with one more reduce-scatter at step().
 """
 from __future__ import annotations
 
@@ -91,6 +96,7 @@ class Stage3Reducer(Stage2Reducer):
         self.free_bucket = free_bucket
         self.launch_when_ready = False
         self.launch_cut: dict[int, int] = {}    # unit -> buckets of launch_order its backward may launch
+        self.units_seen: set[int] = set()       # units whose backward started in this backward
 
     def _start_backward(self) -> None:
         if not self.in_backward:
@@ -100,18 +106,24 @@ class Stage3Reducer(Stage2Reducer):
 
     @torch.no_grad()
     def unit_backward(self, unit: int) -> None:
-        """The first pre-backward of ``unit`` in this backward: launch the buckets up to its cut
+        """The backward of ``unit`` starts (its first pre-backward, or its recomputation in a reentrant
+        checkpoint): launch the buckets up to its cut whose units started theirs
         ([Note: stage-3 launch points]); the same on every rank."""
         self._start_backward()
         if not (self.sync and self.overlap_comm):
             return
+        self.units_seen.add(unit)
         cut = self.launch_cut.get(unit, 0)
-        while self.next_launch < cut:
+        while self.next_launch < cut and self.launch_order[self.next_launch].spec.unit in self.units_seen:
             b = self.launch_order[self.next_launch]
             if not b.reduce.launched:
                 self._launch(b)
             self.next_launch += 1
         self._reap()
+
+    def _reset_backward(self) -> None:
+        super()._reset_backward()
+        self.units_seen = set()
 
     @torch.no_grad()
     def on_grad(self, b: FlatBucket, li: int, p: nn.Parameter) -> None:

@@ -42,6 +42,8 @@ class _Unit:
     def __init__(self, index: int, name: str, module: nn.Module, buckets: list[UnitBucket]):
         self.index, self.name, self.module, self.buckets = index, name, module, buckets
         self.bwd_seen = False                 # pre-backward ran in the current backward
+        self.bwd_started = False              # on_unit_backward called in the current backward
+        self.hooked = False                   # a forward since the last backward left a pre-backward hook
 
 
 class UnitRuntime:
@@ -155,6 +157,8 @@ class UnitRuntime:
     def _pre_forward_hook(self, u: _Unit):
         def hook(module, args):
             if _in_backward():                        # checkpoint recomputation
+                if not u.hooked:                      # reentrant: the forward left no pre-backward hook
+                    self._unit_backward(u)
                 self._ensure(u)
                 return None
             if u.index == 0:
@@ -185,7 +189,7 @@ class UnitRuntime:
             if torch.is_grad_enabled():
                 for t in _grad_tensors(output):
                     t.register_hook(scoped(self.timeout, self.group, self._pre_backward_hook(u, self.hold.token)))
-                    needs_grad = True
+                    needs_grad = u.hooked = True
             if self._in_forward:
                 self._rec_post.append(u.index)
             keep_last = needs_grad and self._in_forward and u.index == self._last_unit
@@ -222,8 +226,7 @@ class UnitRuntime:
         def hook(grad, _token=token):    # the forward's token lives as long as this hook (unit_hold.py)
             with torch.no_grad():
                 self.ensure_final_callback()
-                if not u.bwd_seen:
-                    self.on_unit_backward(u.index)    # [Note: stage-3 launch points] in stage3.py
+                self._unit_backward(u)
                 self._ensure(u)
                 if not u.bwd_seen:
                     u.bwd_seen = True
@@ -238,6 +241,12 @@ class UnitRuntime:
             return None
         return hook
 
+    def _unit_backward(self, u: _Unit) -> None:
+        """The backward of ``u`` starts: once per backward ([Note: stage-3 launch points] in stage3.py)."""
+        if not u.bwd_started:
+            u.bwd_started = True
+            self.on_unit_backward(u.index)
+
     def _post_backward(self) -> None:
         with torch.no_grad():
             self.end_backward()
@@ -245,7 +254,7 @@ class UnitRuntime:
             if self.bwd_seq is None and self._rec_bwd:
                 self.bwd_seq = self._rec_bwd
             for u in self.units:
-                u.bwd_seen = False
+                u.bwd_seen = u.bwd_started = u.hooked = False
                 for b in u.buckets:
                     b.s3_arrived.clear()
             self.free_all()
