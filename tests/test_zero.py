@@ -303,6 +303,8 @@ def _world_cases(rank, world):
         run("mismatched models raise", lambda: _case_mismatch(rank))
         run("overlap: reduce-scatter issued before backward ends", _case_overlap)
         run("overlap_param_gather: all-gathers finish in the next forward", lambda: _case_param_gather(rank))
+        for st in (1, 2):
+            run(f"overlap_param_gather: writes after step {st}", lambda st=st: _case_param_gather_writes(rank, st))
         run("rank-dependent unused parameter", lambda: _case_rank_unused(rank))
     if world == 4:
         run("2x2 mesh", lambda: _case_mesh(rank))
@@ -350,6 +352,54 @@ def _case_mismatch(rank):
         zk.ZeroAdamW(m, stage=2, backend="reference")
     assert m[0].weight is w and m[0].weight.data_ptr() == w.data_ptr()   # untouched
     dist.barrier()
+
+
+def _case_param_gather_writes(rank, stage):
+    """[Note: overlapped parameter all-gather]: a parameter written right after step() was overwritten
+    when the step's all-gather landed (silently; the old code). model.state_dict() / load_state_dict() now
+    wait first; any other write raises once, naming the parameter, when its gather is waited for; after
+    zopt.wait_for_params() writes stand."""
+    nd = dist.get_world_size()
+    rows = slice(rank * B, (rank + 1) * B)
+    model = make_model()
+    opt = zk.ZeroAdamW(model, stage=stage, bucket_size=64, backend="reference", overlap_param_gather=True,
+                       timeout=30)
+
+    def step(s):
+        idx, tgt = batch(s, nd)
+        loss_fn(model, idx[rows], tgt[rows]).backward()
+        opt.step()
+        opt.zero_grad()
+        assert opt.pending_param_gathers > 0
+        return idx[rows]
+
+    x = step(0)
+    sd = model.state_dict()                                   # waits: the step's values
+    assert opt.pending_param_gathers == 0
+    full = opt.full_model_state_dict()
+    assert all(torch.equal(sd[k], full[k]) for k in full)
+    step(1)
+    loaded = {k: torch.full_like(v, 0.25) for k, v in sd.items()}
+    model.load_state_dict(loaded)                             # waits, then writes
+    with torch.no_grad():
+        model(x)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, loaded[k]), k
+    step(2)
+    name, p = next((n, q) for n, q in model.named_parameters() if q.requires_grad)
+    torch.nn.init.zeros_(p)                                   # while the gather is in flight
+    with pytest.raises(RuntimeError, match=f"{name!r} was written after step"):
+        with torch.no_grad():
+            model(x)
+    with torch.no_grad():
+        model(x)                                              # said once; the run goes on
+    step(3)
+    opt.wait_for_params()
+    torch.nn.init.zeros_(p)
+    with torch.no_grad():
+        model(x)
+    assert not p.any()
+    opt.remove_hooks()
 
 
 def _case_param_gather(rank):

@@ -428,6 +428,70 @@ def _case_checkpoint_regions(mode):
     assert len(reducer.launch_order) == 8 and min(early) >= (4 if mode == "reentrant" else 6), (mode, early)
 
 
+def _case_writes_between_steps(param_dtype, remainders):
+    """[Note: writes to stage-3 parameters] (unit_bucket.py): an in-place write to a freed placeholder (the
+    write does nothing) raises once, at the next gather or step(), before anything changes; writes inside
+    ``zopt.gathered()`` (torch.nn.init, p.mul_, model.load_state_dict) are what the run continues from. The
+    old code ran on from the unwritten shards."""
+    nd, r = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 3))
+    ref = copy.deepcopy(model)
+    kw = dict(param_dtype=param_dtype, store_param_remainders=remainders) if param_dtype else {}
+    zopt = zk.ZeroAdamW(model, stage=3, lr=1e-2, weight_decay=0.1, timeout=30, bucket_size=64, **kw)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def train(steps, seed):
+        for s in range(steps):
+            g = torch.Generator().manual_seed(seed + s)
+            x, y = torch.randn(nd * 2, 7, generator=g), torch.randn(nd * 2, 3, generator=g)
+            F.mse_loss(model(x[2 * r:2 * r + 2].to(model[0].weight.dtype)).float(), y[2 * r:2 * r + 2]).backward()
+            zopt.step()
+            zopt.zero_grad()
+            F.mse_loss(ref(x), y).backward()
+            ropt.step()
+            ropt.zero_grad()
+
+    def full():     # the parameters as the model holds them (full_model_state_dict: the fp32 masters)
+        return {k: v.to(model[0].weight.dtype).float() for k, v in zopt.full_model_state_dict().items()}
+
+    train(1, 0)
+    before = full()
+    torch.nn.init.zeros_(model[2].weight)                      # a freed placeholder: writes nothing
+    with pytest.raises(RuntimeError, match="'2.weight' was written in place"):
+        model(torch.randn(2, 7).to(model[0].weight.dtype))
+    for k, v in full().items():                               # nothing changed; raised once, the run goes on
+        assert torch.equal(v, before[k]), ("unchanged", k)
+    with zopt.gathered(), torch.no_grad():
+        torch.nn.init.constant_(model[2].bias, 0.375)
+        model[0].weight.mul_(0.5)
+        written = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        ref[2].bias.fill_(0.375)
+        ref[0].weight.copy_(written["0.weight"])
+    after = full()
+    for k, v in written.items():
+        assert torch.equal(after[k], v), ("written", k, (after[k] - v).abs().max())  # the writes stand on every rank's slice
+    sd = {k: torch.full_like(v, 0.125) if k == "2.weight" else v.clone() for k, v in ref.state_dict().items()}
+    with zopt.gathered():
+        model.load_state_dict({k: v.to(model[0].weight.dtype) for k, v in sd.items()})
+    ref.load_state_dict(sd)
+    if param_dtype is None:
+        train(3, 10)
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(full()[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    else:                       # 16-bit: the master was adopted (an lr-0 step keeps the written values)
+        for g in zopt.param_groups:
+            g["lr"] = 0.0
+        train(1, 10)
+        for k, v in full().items():
+            assert torch.equal(v, sd[k].to(param_dtype).float()), ("loaded", k, (v - sd[k]).abs().max())
+    torch.nn.init.ones_(model[0].bias)
+    with pytest.raises(RuntimeError, match="'0.bias' was written in place"):
+        zopt.step()                                            # a write between backward and step() too
+    zopt.remove_hooks()
+
+
 def _world_cases(rank, world, which):
     failures = []
 
@@ -451,6 +515,8 @@ def _world_cases(rank, world, which):
             run(f"checkpoint {mode}", lambda mode=mode: _case_ckpt_shared(mode))
         run("checkpoint prefetch 2", lambda: _case_ckpt_shared("non_reentrant", prefetch=2))
         if world == 2:
+            for dt, rem in ((None, False), (torch.bfloat16, False), (torch.bfloat16, True)):
+                run(f"writes between steps {dt} {rem}", lambda dt=dt, rem=rem: _case_writes_between_steps(dt, rem))
             for mode in ("non_reentrant", "reentrant"):
                 run(f"checkpoint regions {mode}", lambda mode=mode: _case_checkpoint_regions(mode))
     if "prefetch" in which:

@@ -37,7 +37,8 @@ from ._launch_plan import local
 # order keeps every master. Not under torch.compile (the traced step reads no counter).
 # ZeroAdamW stages 1-2 do the same per bucket (``FlatBucket.adopt_edits``: this rank's master slice brought to
 # its slice of the working parameters); stage 3 keeps no parameters between steps (the model holds empty
-# placeholders: ``model.load_state_dict`` raises there; ``load_checkpoint`` is its way in).
+# placeholders: writes there raise, writes inside ``zopt.gathered()`` are written back: [Note: writes to
+# stage-3 parameters] in zero/unit_bucket.py).
 MASTER_KEYS = ("master_param", "master_remainder")
 
 

@@ -147,6 +147,16 @@ class FlatBucket:
         adopt_master(self.owned_params, self.master, self.remainder)
         self.record_versions()
 
+    def written_param(self) -> str | None:
+        """The name of the first parameter written through torch since ``record_versions``, else None."""
+        if [p._version for p in self.params] == self.versions:
+            return None
+        return next(ps.name for p, ps, v in zip(self.params, self.param_specs, self.versions) if p._version != v)
+
+    def placeholder_error(self) -> RuntimeError | None:
+        """Stage 3 only (unit_bucket.py): the error naming a parameter written while freed."""
+        return None
+
     def master_fp32(self) -> Tensor:
         """The fp32 master slice (joined from the bf16 slice and its remainder when remainders are kept)."""
         return join_master(self.owned_params, self.remainder, self.master)
@@ -236,8 +246,12 @@ class FlatBucket:
             self.master.copy_(d["master"])
 
 def check_bound(buckets: Sequence[FlatBucket]) -> None:
-    """Raise when a parameter stopped being a view of its bucket ([Note: bound parameters])."""
+    """Raise when a parameter stopped being a view of its bucket ([Note: bound parameters]), or was written
+    while freed at stage 3 ([Note: writes to stage-3 parameters] in unit_bucket.py)."""
     for b in buckets:
+        err = b.placeholder_error()
+        if err is not None:
+            raise err
         moved = b.moved_param()
         if moved is not None:
             name, p = moved

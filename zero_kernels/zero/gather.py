@@ -10,7 +10,12 @@ all-gather overlaps zero_grad(), data loading and the forward of earlier layers.
 else that reads the parameters must call wait_for_params() first (step(), state dicts and
 checkpoints do): a parameter read outside the forward of a module registering it (e.g.
 ``F.linear(x, self.emb.weight)`` in a parent's forward, or an EMA copy right after step())
-would otherwise see its value from before the step. Default off for that reason.
+would otherwise see its value from before the step. Default off for that reason. Writes are
+worse: a parameter written after step() while its gather is in flight (``torch.nn.init``,
+pruning) is overwritten when the gather lands. ``model.state_dict()`` and
+``model.load_state_dict()`` wait first (pre-hooks on the same modules); any other write is
+found by its version counter when its bucket's gather is waited for (the bucket recorded the
+counters at the step), which then raises once, naming the parameter and the fix.
 
 With quantize_weights=True (ZeRO++ qwZ) every all-gather here (the step's, overlapped or not, and
 ``gather_all`` after a load) is :func:`~.qwz.quantized_all_gather`: this rank's slice stays exact,
@@ -36,6 +41,7 @@ class ParamGatherer:
     def __init__(self, model: nn.Module, buckets: list[FlatBucket], group, rank: int, overlap_comm: bool,
                  overlap_param_gather: bool, timeout=None, quantize_weights: bool = False):
         self.buckets = buckets
+        self.by_index = {b.index: b for b in buckets}
         # ZeroAdamW(quantize_weights=...): int8 codes on the wire ([Note: quantized weight all-gather])
         self.all_gather = quantized_all_gather if quantize_weights else C.all_gather_bucket
         self.group = group
@@ -53,16 +59,33 @@ class ParamGatherer:
                 for p in mod.parameters(recurse=False):
                     if id(p) in index:
                         owned.setdefault(mod, set()).add(index[id(p)])
+            wait_all = scoped(timeout, group, lambda *args: self.wait_for_params())
             for mod, bis in owned.items():
                 self.handles.append(mod.register_forward_pre_hook(scoped(timeout, group, self._hook(sorted(bis)))))
+                self.handles.append(mod.register_state_dict_pre_hook(wait_all))
+                self.handles.append(mod.register_load_state_dict_pre_hook(wait_all))
 
     def _hook(self, bucket_indices: list[int]):
         def hook(module, args):
             for bi in bucket_indices:
-                g = self.pending.pop(bi, None)
-                if g is not None:
-                    C.wait(g)
+                self._wait(bi)
         return hook
+
+    def _wait(self, bi: int) -> None:
+        """Wait for bucket ``bi``'s in-flight gather; raise when a parameter was written meanwhile."""
+        g = self.pending.pop(bi, None)
+        if g is None:
+            return
+        C.wait(g)
+        b = self.by_index[bi]
+        name = b.written_param()
+        if name is not None:
+            b.record_versions()             # said once: the parameters hold the step's values now
+            raise RuntimeError(
+                f"parameter {name!r} was written after step() while its all-gather (overlap_param_gather=True) "
+                "was in flight, and the gather has overwritten the write ([Note: overlapped parameter "
+                "all-gather] in zero/gather.py). Call zopt.wait_for_params() after step() before writing "
+                "parameters (torch.nn.init, pruning, p.copy_(...)); model.load_state_dict waits by itself.")
 
     def after_bucket_step(self, b: FlatBucket) -> None:
         """b's slice was updated: launch its all-gather now (or, overlapped, at end_step)."""
@@ -96,8 +119,7 @@ class ParamGatherer:
 
     def wait_for_params(self) -> None:
         while self.pending:
-            _, g = self.pending.popitem()
-            C.wait(g)
+            self._wait(next(iter(self.pending)))
 
     def remove(self) -> None:
         for h in self.handles:

@@ -132,9 +132,11 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def gathered(self) -> contextlib.AbstractContextManager:
         """Collective: every parameter full-size inside the block (stage 3 gathers all units and frees
-        them after, as FSDP's ``summon_full_params``; read-only: writes are not propagated to the
-        shards). Stages 1-2 hold full parameters anyway (in-flight all-gathers are waited for; with
-        quantize_weights the other ranks' slices are int8-quantized copies: ``sync_exact_params()``)."""
+        them after, as FSDP's ``summon_full_params(writeback=True)``: parameters written inside, on every
+        rank the same values, become each rank's slice when the block ends; [Note: writes to stage-3
+        parameters] in unit_bucket.py). Stages 1-2 hold full parameters anyway (in-flight all-gathers are
+        waited for; writes are adopted by the next step; with quantize_weights the other ranks' slices are
+        int8-quantized copies: ``sync_exact_params()``)."""
         return self.strategy.gathered()
 
     @bounded_by_timeout

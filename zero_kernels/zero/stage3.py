@@ -240,6 +240,9 @@ class Stage3(HookReduced):
             self.runtime.gather_all()
         try:
             yield
+            with torch.no_grad():               # [Note: writes to stage-3 parameters] in unit_bucket.py
+                for b in self.ctx.buckets:
+                    b.writeback()
         finally:
             self.runtime.free_all()
 

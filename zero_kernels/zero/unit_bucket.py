@@ -24,14 +24,37 @@ from torch import Tensor
 
 from .. import _ext
 from . import collectives as C
+from .._param_edits import adopt_master
 from .buckets import FlatBucket, OptimState, fill_flat, master_from_originals
 from .heap import release_free_heap
 from .qwz import quantized_all_gather
 
 __all__ = ["UnitBucket", "gather_cache_stats", "empty_gather_cache", "cache_module", "FREE", "GATHERING",
-           "GATHERED"]
+           "GATHERED", "placeholder_write_error"]
 
 FREE, GATHERING, GATHERED = 0, 1, 2
+
+
+# [Note: writes to stage-3 parameters]
+# Between steps a stage-3 parameter is a 0-element placeholder, so an in-place write through torch
+# (``torch.nn.init.*_``, ``model.apply(init_fn)``, pruning ``p.mul_(mask)``) writes nothing, and the next
+# gather brings back the shard as it was: the write was lost without a word. Each bucket records its
+# parameters' version counters whenever it frees or gathers them (``.data`` swaps leave them alone); a
+# counter that moved while freed is such a write, and the next gather or step() raises (once), naming the
+# parameter, before anything changes. Writes made while gathered inside ``zopt.gathered()`` are kept:
+# leaving the block writes each rank's slice of what it holds back into its shard (and brings its master
+# to it by the rule of [Note: parameters edited outside the optimizer]), as FSDP's
+# ``summon_full_params(writeback=True)``: every rank writes the same values (each keeps its own slice).
+# Writes through ``p.data`` bypass the counter (nothing detects them, as for stages 1-2).
+
+
+def placeholder_write_error(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"parameter {name!r} was written in place (torch.nn.init, model.apply(init_fn), p.mul_(...), ...) while "
+        "ZeRO-3 held it as a freed 0-element placeholder (between steps, outside forward), so the write did "
+        "nothing ([Note: writes to stage-3 parameters]). Write parameters inside `with zopt.gathered():` (on "
+        "every rank, the same values; each rank keeps its slice when the block ends), or load them with "
+        "zopt.load_checkpoint(...). Nothing was changed.")
 
 
 def cache_module():
@@ -99,7 +122,27 @@ class UnitBucket(FlatBucket):
 
     def adopt_edits(self, force: bool = False) -> None:
         """Nothing to adopt: between steps the model holds empty placeholders ([Note: parameters edited
-        outside the optimizer] in zero_kernels/_param_edits.py)."""
+        outside the optimizer] in zero_kernels/_param_edits.py); writes to them raise (placeholder_error)
+        and writes inside ``zopt.gathered()`` are written back as it ends (writeback)."""
+
+    def placeholder_error(self) -> RuntimeError | None:
+        """The error naming a parameter written in place while freed ([Note: writes to stage-3 parameters])."""
+        name = self.written_param() if self.gather_state == FREE else None
+        if name is None:
+            return None
+        self.record_versions()      # said once: the write changed nothing, so the run may go on
+        return placeholder_write_error(name)
+
+    @torch.no_grad()
+    def writeback(self) -> None:
+        """End of ``zopt.gathered()``: parameters written while gathered become this rank's shard (and its
+        master, by adoption) ([Note: writes to stage-3 parameters])."""
+        if self.gather_state != GATHERED or [p._version for p in self.params] == self.versions:
+            return
+        self.shard.copy_(self.param_flat[self.slice_start:self.slice_end])
+        if not self.master_is_param:
+            adopt_master(self.shard, self.master, self.remainder)
+        self.record_versions()
 
     def _is_view(self, p: Tensor, ps) -> bool:
         # freed (or still gathering): parameters are the empty placeholder, which has no elements
@@ -115,6 +158,9 @@ class UnitBucket(FlatBucket):
     def start_gather(self, rank: int, group, async_op: bool, tag: Any) -> bool:
         if self.gather_state != FREE:
             return False
+        err = self.placeholder_error()
+        if err is not None:
+            raise err
         flat = self.param_flat
         flat.untyped_storage().resize_(self.full_bytes)
         flat[self.slice_start:self.slice_end].copy_(self.shard)
@@ -128,6 +174,7 @@ class UnitBucket(FlatBucket):
             self.ag = None
             self.point_params_at(self.param_flat)
             self.gather_state = GATHERED
+            self.record_versions()
 
     def free(self) -> None:
         if self.gather_state == FREE:
@@ -139,3 +186,4 @@ class UnitBucket(FlatBucket):
             p.data = self._empty
         self.param_flat.untyped_storage().resize_(0)
         self.gather_state = FREE
+        self.record_versions()
