@@ -295,6 +295,38 @@ def test_consolidate_and_inspect(tmp_ckpt):
     assert r.returncode == 2 and "error:" in r.stderr and "lies inside the checkpoint" in r.stderr, r.stderr
 
 
+def _frozen_at_save_job(rank, world, root):
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(3)])
+    z = zk.ZeroAdamW(m, stage=2, lr=1e-2, timeout=30, backend="reference")
+    for s in range(3):
+        if s == 2:
+            m[0].requires_grad_(False)          # frozen for a while (README), at the save too
+        m(torch.randn(4, 8, generator=torch.Generator().manual_seed(s))).pow(2).mean().backward()
+        z.step()
+        z.zero_grad()
+    z.save_checkpoint(root)
+    torch.save({ps.name: z.steps[ps.index] for ps in z.layout.params}, root + ".steps.pt")
+
+
+def test_consolidate_order_with_a_layer_frozen_at_save(tmp_path):
+    """consolidate's indices follow registration order; a layer frozen (requires_grad_(False)) when the
+    checkpoint was saved came last, so torch.optim.AdamW(model.parameters()) got every state on another
+    parameter without an error (the old code)."""
+    root = str(tmp_path / "ck")
+    run_world(_frozen_at_save_job, 1, root, timeout=120)
+    full = ck.consolidate(root)
+    assert full["param_names"] == [["0.weight", "1.weight", "2.weight"]]
+    steps = torch.load(root + ".steps.pt", weights_only=True)
+    assert steps == {"0.weight": 2, "1.weight": 3, "2.weight": 3}
+    m = nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(3)])
+    m.load_state_dict(full["model"])
+    topt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    topt.load_state_dict(full["optimizer"])
+    for n, p in m.named_parameters():
+        assert float(topt.state[p]["step"]) == steps[n], n
+
+
 def _snapshot(opt, model):
     return ([t.clone() for b in opt.buckets for t in b.state_tensors().values()],
             [p.detach().clone() for p in model.parameters()], list(opt._steps), opt.param_groups[0]["lr"])

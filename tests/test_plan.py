@@ -228,6 +228,29 @@ def test_plot_png(tmp_path):
     assert img.ndim == 3 and img.shape[0] > 300 and img.shape[1] > 600
 
 
+def test_reduce_dtype_is_zero_adamw_default(capsys):
+    """The planner's default gradient-shard dtype is ZeroAdamW's reduce_dtype default (fp32): 2Ψ + 16Ψ/Nd at
+    stage 2, 18Ψ/Nd at stage 3 with bf16 parameters (memory_report measures the same, tests/test_zero3.py);
+    --reduce-dtype bf16 gives the paper's 2Ψ + 14Ψ/Nd and 16Ψ/Nd. The planner said 26.25 / 14.00 GB for 7B
+    on 8 GPUs where ZeroAdamW at its defaults holds 28.00 / 15.75."""
+    from zero_kernels.zero.config import ZeroConfig
+    import torch
+    assert ZeroConfig.__dataclass_fields__["reduce_dtype"].default == torch.float32
+    psi, nd = 8192, 2
+    fp32 = M.dtype_bytes("bf16", reduce="fp32")
+    assert M.model_state_bytes(psi, nd, 2, **fp32)["total"] == 2 * psi + 16 * psi / nd
+    assert M.model_state_bytes(psi, nd, 3, **fp32)["total"] == 18 * psi / nd
+    assert M.model_state_bytes(psi, nd, 1, **fp32)["grads"] == 2 * psi        # stage 1: full bf16 gradients
+    bf16 = M.dtype_bytes("bf16", reduce="bf16")
+    assert M.model_state_bytes(psi, nd, 2, **bf16)["total"] == 2 * psi + 14 * psi / nd
+    assert M.bytes_per_param(fp32) == 16
+    assert main(["--params", "7e9", "--gpus", "8", "--stage", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "28.00" in out and "grads (bf16; fp32 at 2-3)" in out
+    assert main(["--params", "7e9", "--gpus", "8", "--stage", "3", "--reduce-dtype", "bf16"]) == 0
+    assert "14.00" in capsys.readouterr().out
+
+
 def test_subprocess_cli(tmp_path):
     # One subprocess only: `python -m zero_kernels.plan` imports the package, hence torch (slow).
     out = tmp_path / "cap.png"

@@ -164,7 +164,10 @@ def _metadata(opt, version_dir_name: str) -> dict:
         groups.append({k: _plain(v) for k, v in g.items() if k != "params"})
     module = opt.module
     sd_keys = list(module.state_dict(keep_vars=True).keys())
-    reg_order = [n for n, p in module.named_parameters() if p.requires_grad]
+    # the layout's parameters in registration order (p.requires_grad now would drop one frozen for a while,
+    # and consolidate would put it last: its states on another parameter of a torch optimizer)
+    in_layout = {p.name for p in lay.params}
+    reg_order = [n for n, p in module.named_parameters() if n in in_layout]
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "version_dir": version_dir_name,
         "torch_version": torch.__version__, "stage": int(opt.stage), "world_size": int(opt.world_size),

@@ -68,7 +68,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 __all__ = [
-    "GB", "DTYPE_BYTES", "STATE_FORMATS", "GPT3_BLOCK_PARAMS", "DEFAULT_RESERVE", "STAGE_NAMES", "CATEGORIES",
+    "GB", "DTYPE_BYTES", "bytes_per_param", "STATE_FORMATS", "GPT3_BLOCK_PARAMS", "DEFAULT_RESERVE", "STAGE_NAMES", "CATEGORIES",
     "dtype_bytes", "model_state_bytes", "gather_buffer_bytes", "estimate_block_params",
     "activation_bytes", "count_params", "data_parallel_size", "max_trainable_params",
     "PlanResult", "plan",
@@ -102,10 +102,13 @@ CATEGORIES = ("params", "grads", "master_params", "exp_avg", "exp_avg_sq")
 _BLOCKS_IF_UNKNOWN = 32
 
 
-def dtype_bytes(name: str, states: str = "fp32", remainders: bool = False) -> dict[str, float]:
+def dtype_bytes(name: str, states: str = "fp32", remainders: bool = False,
+                reduce: str | None = None) -> dict[str, float]:
     """``{"param_bytes", "grad_bytes", "master_bytes", "optim_bytes"}`` for ``bf16``/``fp16``/``fp32``
     parameters, Adam moments in ``states`` format (:data:`STATE_FORMATS`), and with ``remainders`` the
-    fp32 master kept as the bf16 parameter plus an int16 remainder (2 bytes instead of 4).
+    fp32 master kept as the bf16 parameter plus an int16 remainder (2 bytes instead of 4). ``reduce``
+    (``bf16``/``fp16``/``fp32``: ZeroAdamW's ``reduce_dtype``) adds ``reduce_bytes``, the bytes of a
+    stage-2/3 gradient shard element (not a per-parameter byte: :func:`bytes_per_param` leaves it out).
 
     The optimizer-state multiplier K = master_bytes + optim_bytes: 12 (fp32), 8 (bf16 moments),
     ~6.03 (8-bit moments), ~4.03 (8-bit moments + remainders).
@@ -122,7 +125,16 @@ def dtype_bytes(name: str, states: str = "fp32", remainders: bool = False) -> di
             raise ValueError(f"remainders (store_param_remainders) need bf16 parameters, got {name!r}: the "
                              "master is the bf16 parameter's bits plus an int16 remainder")
         d["master_bytes"] = 2
+    if reduce is not None:
+        if reduce not in DTYPE_BYTES:
+            raise ValueError(f"unknown reduce dtype {reduce!r}; expected one of {sorted(DTYPE_BYTES)}")
+        d["reduce_bytes"] = DTYPE_BYTES[reduce]["param_bytes"]
     return d
+
+
+def bytes_per_param(nbytes: dict[str, float]) -> float:
+    """Unsharded bytes per parameter of :func:`dtype_bytes`' figures (params, grads, master, moments)."""
+    return sum(nbytes[k] for k in ("param_bytes", "grad_bytes", "master_bytes", "optim_bytes"))
 
 
 def _check_stage(stage: int) -> int:
@@ -146,7 +158,7 @@ def _check_nonneg(name: str, value: float) -> float:
 
 def model_state_bytes(psi: int, world_size: int, stage: int, *, param_bytes: int = 2,
                       grad_bytes: int = 2, master_bytes: int = 4,
-                      optim_bytes: int = 8) -> dict[str, float]:
+                      optim_bytes: int = 8, reduce_bytes: float | None = None) -> dict[str, float]:
     """Per-rank bytes of model states for DDP (stage 0) and ZeRO stages 1-3.
 
     Args:
@@ -158,6 +170,9 @@ def model_state_bytes(psi: int, world_size: int, stage: int, *, param_bytes: int
         master_bytes: bytes per fp32 master parameter (4), or 0 when the parameter itself is the
             fp32 master (fp32 training; see the module note for what each stage then holds).
         optim_bytes: bytes per parameter of optimizer state, split evenly into m and v (8 for Adam).
+        reduce_bytes: bytes per element of the sharded gradient at stages 2-3 (ZeroAdamW's
+            ``reduce_dtype``: fp32 by default, 4; the paper's figures reduce in the parameter dtype);
+            None: ``grad_bytes``.
 
     Returns:
         ``{"params", "grads", "master_params", "exp_avg", "exp_avg_sq", "total"}`` in bytes
@@ -168,14 +183,14 @@ def model_state_bytes(psi: int, world_size: int, stage: int, *, param_bytes: int
     nd = _check_pos_int("world_size", world_size)
     _check_stage(stage)
     for k, v in dict(param_bytes=param_bytes, grad_bytes=grad_bytes, master_bytes=master_bytes,
-                     optim_bytes=optim_bytes).items():
+                     optim_bytes=optim_bytes, reduce_bytes=reduce_bytes or 0).items():
         _check_nonneg(k, v)
     shard_optim = nd if stage >= 1 else 1
     shard_grads = nd if stage >= 2 else 1
     shard_params = nd if stage >= 3 else 1
     out = {
         "params": param_bytes * psi / shard_params,
-        "grads": grad_bytes * psi / shard_grads,
+        "grads": (grad_bytes if reduce_bytes is None or stage < 2 else reduce_bytes) * psi / shard_grads,
         "master_params": master_bytes * psi / shard_optim,
         "exp_avg": optim_bytes / 2 * psi / shard_optim,
         "exp_avg_sq": optim_bytes / 2 * psi / shard_optim,
@@ -282,7 +297,7 @@ def max_trainable_params(gpus: int, gpu_mem_bytes: float, stage: int, *, tp: int
                          reserve: float = DEFAULT_RESERVE, extra_bytes: float = 0.0,
                          hidden: int | None = None, block_params: float | None = None,
                          param_bytes: int = 2, grad_bytes: int = 2, master_bytes: int = 4,
-                         optim_bytes: int = 8) -> int:
+                         optim_bytes: int = 8, reduce_bytes: float | None = None) -> int:
     """Largest Ψ whose per-rank model states (+ stage-3 gather buffer) fit in the budget.
 
     Budget per GPU = gpu_mem_bytes·(1 - reserve) - extra_bytes (e.g. activations you computed).
@@ -299,7 +314,7 @@ def max_trainable_params(gpus: int, gpu_mem_bytes: float, stage: int, *, tp: int
         raise ValueError(f"reserve must be a fraction in [0, 1), got {reserve!r}")
     _check_nonneg("extra_bytes", extra_bytes)
     nbytes = dict(param_bytes=param_bytes, grad_bytes=grad_bytes, master_bytes=master_bytes,
-                  optim_bytes=optim_bytes)
+                  optim_bytes=optim_bytes, reduce_bytes=reduce_bytes)
     budget = gpu_mem_bytes * (1 - reserve) - extra_bytes
     if budget <= 0:
         return 0
@@ -377,7 +392,8 @@ class PlanResult:
 def plan(psi: int, gpus: int, stage: int, *, gpu_mem_bytes: float = 80 * GB, tp: int = 1,
          pp: int = 1, param_dtype: str = "bf16", activations: float | None = None,
          hidden: int | None = None, block_params: float | None = None,
-         reserve: float = DEFAULT_RESERVE, states: str = "fp32", remainders: bool = False) -> PlanResult:
+         reserve: float = DEFAULT_RESERVE, states: str = "fp32", remainders: bool = False,
+         reduce_dtype: str | None = None) -> PlanResult:
     """Per-rank memory of training a Ψ-parameter model on ``gpus`` GPUs at one stage.
 
     ``activations``: bytes of activations for the whole model's micro-batch (from
@@ -388,7 +404,7 @@ def plan(psi: int, gpus: int, stage: int, *, gpu_mem_bytes: float = 80 * GB, tp:
     _check_nonneg("psi", psi)
     dp = data_parallel_size(gpus, tp, pp)
     _check_stage(stage)
-    nbytes = dtype_bytes(param_dtype, states, remainders)
+    nbytes = dtype_bytes(param_dtype, states, remainders, reduce_dtype)
     states, buf = _per_rank_need(psi, dp, stage, tp, pp, hidden, block_params, nbytes)
     if activations is None:
         act, budget = 0.0, gpu_mem_bytes * (1 - reserve)

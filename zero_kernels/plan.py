@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Adam moment format: fp32 (K = 12), bf16 (K = 8), 8bit (blockwise, K ~ 6)")
     h.add_argument("--remainders", action="store_true",
                    help="bf16 params only: the fp32 master kept as bf16 param + int16 remainder (K - 2)")
+    h.add_argument("--reduce-dtype", choices=sorted(M.DTYPE_BYTES), default="fp32",
+                   help="dtype of the stage-2/3 gradient shards (ZeroAdamW's reduce_dtype, default fp32: "
+                        "2Ψ + 16Ψ/Nd at stage 2 with bf16 params; bf16 gives the paper's 2Ψ + 14Ψ/Nd)")
     h.add_argument("--reserve", type=float, default=M.DEFAULT_RESERVE, metavar="FRACTION",
                    help="fraction of each GPU kept for activations when --batch is not given, "
                         "and in the capacity chart")
@@ -206,7 +209,7 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
 def _plans(args, cfg) -> list[M.PlanResult]:
     return [M.plan(cfg["psi"], args.gpus, s, gpu_mem_bytes=cfg["gpu_mem"], tp=args.tp, pp=args.pp,
                    param_dtype=args.param_dtype, activations=cfg["activations"],
-                   states=args.states, remainders=args.remainders,
+                   states=args.states, remainders=args.remainders, reduce_dtype=args.reduce_dtype,
                    hidden=cfg["shape"]["hidden"], reserve=args.reserve) for s in cfg["stages"]]
 
 
@@ -218,8 +221,9 @@ def _report(args, cfg, plans: list[M.PlanResult]) -> str:
             else f"fp32 params (= master) and grads + {args.states} Adam m, v")
     k = nb["master_bytes"] + nb["optim_bytes"]
     lines = [f"Ψ = {cfg['psi']:,} parameters ({fmt_params(cfg['psi'])}); {prec}: "
-             f"{sum(nb.values()):g} bytes/param (optimizer states K = {k:.3g}), "
-             f"{sum(nb.values()) * cfg['psi'] / M.GB:,.1f} GB of model states in all"]
+             f"{M.bytes_per_param(nb):g} bytes/param (optimizer states K = {k:.3g}), "
+             f"{M.bytes_per_param(nb) * cfg['psi'] / M.GB:,.1f} GB of model states in all; stage-2/3 "
+             f"gradient shards in {args.reduce_dtype} (--reduce-dtype)"]
     shape = cfg["shape"]
     if args.model is not None:
         lines.append(f"  counted from {args.model if args.model != _CUSTOM else 'a GPT'} shape: "
@@ -245,7 +249,8 @@ def _report(args, cfg, plans: list[M.PlanResult]) -> str:
     w0, w = 28, 11
     header = "per-GPU memory, GB".ljust(w0) + "".join(p.name.rjust(w) for p in plans)
     lines += [header, "-" * len(header)]
-    dt = {"params": p16 if nb["master_bytes"] else "fp32", "grads": p16 if nb["master_bytes"] else "fp32"}
+    work = p16 if nb["master_bytes"] else "fp32"
+    dt = {"params": work, "grads": work if args.reduce_dtype == work else f"{work}; {args.reduce_dtype} at 2-3"}
 
     def row(label, vals):
         lines.append(label.ljust(w0) + "".join(v.rjust(w) for v in vals))

@@ -16,7 +16,7 @@ def fmt_params(n: float) -> str:
 
 def nbytes_of(args, states: str | None = None, remainders: bool | None = None) -> dict[str, float]:
     return M.dtype_bytes(args.param_dtype, args.states if states is None else states,
-                         args.remainders if remainders is None else remainders)
+                         args.remainders if remainders is None else remainders, args.reduce_dtype)
 
 
 def capacity(gpus: int, stage: int, args, cfg, activations: float | None, nb: dict | None = None) -> int:

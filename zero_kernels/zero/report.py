@@ -45,11 +45,26 @@ def finish_report(rep: dict[str, Any], buckets: Sequence[FlatBucket], module: nn
     rep["buffers"] = sum(nbytes(t) for t in module.buffers()) + sum(nbytes(p.data) for p in frozen)
     rep["comm_buffers"] = comm_bytes        # kept between steps to avoid page faults; not model states
     rep["total"] = sum(rep[k] for k in ("params", "grads", "master_params", "exp_avg", "exp_avg_sq"))
-    pbytes = buckets[0].dtype.itemsize
-    gbytes = pbytes if stage == 1 else reduce_dtype.itemsize
-    master_bytes, optim_bytes = _format_bytes(buckets[0].fmt)
-    mbytes = 0 if all(b.master_is_param for b in buckets) else master_bytes
-    rep["predicted"] = model_state_bytes(psi, world, stage, param_bytes=pbytes, grad_bytes=gbytes,
-                                         master_bytes=mbytes, optim_bytes=optim_bytes)
+    rep["predicted"] = _predicted(buckets, psi, world, stage, reduce_dtype)
     rep["padding_elements"] = sum(b.spec.padded_numel - b.spec.numel for b in buckets)
     return rep
+
+
+def _predicted(buckets: Sequence[FlatBucket], psi: int, world: int, stage: int,
+               reduce_dtype: torch.dtype) -> dict[str, float]:
+    """The formula's bytes, summed over the working-parameter dtypes (a model may keep fp32 and 16-bit
+    parameters: each has its own parameter and gradient bytes, and only 16-bit ones a master)."""
+    numel: dict[torch.dtype, int] = {}
+    for b in buckets:
+        numel[b.dtype] = numel.get(b.dtype, 0) + b.spec.numel
+    master_bytes, optim_bytes = _format_bytes(buckets[0].fmt)
+    out: dict[str, float] = {}
+    for dtype, n in numel.items():
+        part = model_state_bytes(n * psi / sum(numel.values()), world, stage, param_bytes=dtype.itemsize,
+                                 grad_bytes=dtype.itemsize if stage == 1 else reduce_dtype.itemsize,
+                                 master_bytes=0 if dtype == torch.float32 else master_bytes,
+                                 optim_bytes=optim_bytes)
+        for k, v in part.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
