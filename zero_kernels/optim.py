@@ -17,7 +17,8 @@ from . import _param_edits, backends, codecs, optim_coded
 from ._launch_plan import GroupPlan, Launch, is_low_precision, local, packed_steps, signature, state_error
 from ._traced_step import TracedStep
 from .codecs import BLOCK
-from .optim_checks import check_distinct, check_grads, check_group_keys, check_scalars, param_dtype_problem
+from .optim_checks import (check_distinct, check_grads, check_group_keys, check_no_shared_memory, check_scalars,
+                           param_dtype_problem)
 from .hparams import (check_coded_amsgrad, check_param_format, scalar_lr, validate_hparams as _validate_hparams,
                       validate_state_format)
 from .reference import compute_coeffs
@@ -138,6 +139,8 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
                 raise ValueError(f"params[{i}] {why}")
         tensors = [p[1] if isinstance(p, tuple) else p for p in params]
         check_distinct(len(self.param_groups), tensors)
+        check_no_shared_memory(len(self.param_groups), tensors,
+                               [(gi, pi, q) for gi, g in enumerate(self.param_groups) for pi, q in enumerate(g["params"])])
         devices = {t.device for t in tensors if isinstance(t, Tensor)}
         if len(devices) > 1:
             raise ValueError(f"one parameter group mixes devices {sorted(map(str, devices))}; a fused "

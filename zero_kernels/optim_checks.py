@@ -41,6 +41,58 @@ def check_distinct(gi: int, tensors: list[Any]) -> None:
                              "lists a tied weight once")
 
 
+def _elements_overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors viewing one storage share an element (exact, from their strides)."""
+    if a.element_size() != b.element_size():
+        return True                                 # different element sizes over one storage: say so
+    n = a.untyped_storage().nbytes() // a.element_size()
+    mark = torch.zeros(n, dtype=torch.int8)
+    mark.as_strided(a.shape, a.stride(), a.storage_offset()).fill_(1)
+    return bool(mark.as_strided(b.shape, b.stride(), b.storage_offset()).any())
+
+
+def overlapping_pair(tensors: list[Tensor]) -> tuple[int, int] | None:
+    """Indices (i, j), i < j, of two distinct tensors that share memory (one a view of the other, e.g.
+    ``Parameter(a.data.t())``), else None. One pass over data pointers; exact only where two tensors of
+    one storage have overlapping byte ranges."""
+    spans: dict[tuple, list[tuple[int, int, int]]] = {}
+    for i, t in enumerate(tensors):
+        if not isinstance(t, Tensor) or t.numel() == 0 or t.device.type == "meta" or t.is_sparse:
+            continue
+        try:
+            base, lo = t.untyped_storage().data_ptr(), t.data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):   # a tensor subclass without storage
+            continue
+        hi = lo + t.element_size() * (1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())))
+        spans.setdefault((t.device, base), []).append((lo, hi, i))
+    for group in spans.values():
+        group.sort()
+        for k, (lo, hi, i) in enumerate(group):
+            for lo2, _, j in group[k + 1:]:
+                if lo2 >= hi:
+                    break
+                if tensors[i] is not tensors[j] and _elements_overlap(tensors[i], tensors[j]):
+                    return min(i, j), max(i, j)
+    return None
+
+
+def check_no_shared_memory(gi: int, tensors: list[Any], others: list[tuple[int, int, Tensor]]) -> None:
+    """ValueError naming both when a parameter of new group ``gi`` shares memory with another parameter (of
+    the group, or ``others``: (group, index, tensor) of the groups before) without being it: a fused step
+    updates every parameter from its value before the step, where torch.optim.AdamW updates one after the
+    other, each seeing the other's write (so the result would differ without a word)."""
+    where = [(gi, i, t) for i, t in enumerate(tensors) if isinstance(t, Tensor)] + list(others)
+    pair = overlapping_pair([t for _, _, t in where])
+    if pair is None:
+        return
+    (ga, ia, _), (gb, ib, _) = sorted([where[pair[0]], where[pair[1]]], key=lambda w: w[:2])
+    raise ValueError(f"param_groups[{ga}]['params'][{ia}] and param_groups[{gb}]['params'][{ib}] share memory (one "
+                     "is a view of the other, e.g. nn.Parameter(a.data.t())): torch.optim.AdamW updates them one "
+                     "after the other, each seeing the other's write, while a fused step updates each from its "
+                     "value before the step. Tie them instead (the same Parameter in both places) or give the "
+                     "optimizer one of them")
+
+
 def param_dtype_problem(t: Tensor, optimizer: str) -> str | None:
     """Why parameter ``t`` cannot be stepped by the fp32 kernels (its dtype), with the fix; None if it can."""
     if t.is_complex():

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ..hparams import validate_hparams
+from ..optim_checks import overlapping_pair
 from .config import FLOAT_DTYPES
 
 __all__ = ["ModelParams", "read_model", "model_error", "resolve_groups", "check_frozen", "HPARAM_KEYS"]
@@ -54,6 +55,13 @@ def model_error(trainable, param_dtype) -> str | None:
                 "before constructing the optimizer")
     if not trainable:
         return "the model has no trainable parameters (all have requires_grad=False)"
+    pair = overlapping_pair([p for _, p in trainable])
+    if pair is not None:
+        a, b = trainable[pair[0]][0], trainable[pair[1]][0]
+        return (f"parameters {a!r} and {b!r} share memory (one is a view of the other, e.g. "
+                "nn.Parameter(w.data.t())): ZeRO keeps each parameter in its own place of a flat buffer, so "
+                "they would stop sharing it and train apart without a word; tie them instead (the same "
+                "Parameter in both modules) or make them separate tensors")
     return None
 
 
