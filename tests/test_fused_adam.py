@@ -612,6 +612,9 @@ def test_parameters_sharing_memory(backend):
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] and param_groups\[1\]\['params'\]\[0\]"):
         opt.add_param_group({"params": [torch.nn.Parameter(a.data[1:, 2])]})
     assert len(opt.param_groups) == 1
+    with pytest.raises(ValueError, match=r"params\[1\] has internally overlapping memory"):
+        zk.FusedAdamW([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(1).expand(4))],
+                      backend=backend)                         # stride 0: was torch's error after a half step
     m = torch.nn.Linear(4, 4)
     m.weight = torch.nn.Parameter(a.data.t())
     with pytest.raises(ValueError, match="'x.weight' and 'y.0' share memory"):

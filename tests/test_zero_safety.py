@@ -28,6 +28,7 @@ from _dist import run_world  # noqa: E402
 from test_zero import batch, loss_fn, make_model  # noqa: E402
 
 import zero_kernels as zk  # noqa: E402
+from zero_kernels.zero import ShardedGradError  # noqa: E402
 from zero_kernels.zero.collectives import CollectiveTimeoutError  # noqa: E402
 
 
@@ -335,6 +336,73 @@ def test_failed_construction_leaves_model_untouched(stage, kw, exc, msg, param_d
     with pytest.raises(exc, match=msg):
         zk.ZeroAdamW(model, **kw)
     assert _same(before, _snapshot(model)), kw
+
+
+class _Odd(nn.Module):
+    """A Linear plus a parameter ZeRO cannot take: ``kind`` "expanded" (stride 0), "sparse" (an
+    nn.Embedding(sparse=True)), "functional" (F.embedding(..., sparse=True) on a dense module)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.kind = kind
+        if kind == "expanded":
+            self.gain = nn.Parameter(torch.randn(1).expand(4))
+        else:
+            self.emb = nn.Embedding(9, 4, sparse=kind == "sparse")
+
+    def forward(self, i):
+        if self.kind == "expanded":
+            return self.lin(self.gain * torch.ones(2, 4))
+        return self.lin(nn.functional.embedding(i, self.emb.weight, sparse=True) if self.kind == "functional"
+                        else self.emb(i))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_what_zero_cannot_take_is_named(stage):
+    """Parameters and gradients ZeRO cannot step are refused naming the parameter, before anything changes:
+    a stride-0 parameter (its broadcast overwrote rank 1's model, then failed with torch's overlap error), a
+    sparse embedding (torch's copy_ errors inside step() or backward), and at stages 2-3 a gradient set by hand
+    (p.grad = g without backward: the step ignored it, silently)."""
+    for kind, msg in (("expanded", "'gain' has internally overlapping memory"),
+                      ("sparse", "'emb.weight' has a sparse gradient")):
+        model = _Odd(kind)
+        before = _snapshot(model)
+        with pytest.raises(ValueError, match=msg):
+            zk.ZeroAdamW(model, stage=stage, backend="reference")
+        assert _same(before, _snapshot(model))
+    if stage < 3:                             # stage 3: a parent's F.embedding reads a freed placeholder
+        model = _Odd("functional")
+        zopt = zk.ZeroAdamW(model, stage=stage, backend="reference")
+        with pytest.raises(RuntimeError, match="'emb.weight' has a sparse gradient"):
+            model(torch.tensor([1, 2])).sum().backward()
+            zopt.step()
+        assert zopt.steps == [0] * len(zopt.steps)
+        zopt.zero_grad()
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    zopt = zk.ZeroAdamW(model, stage=stage, backend="reference", lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    zopt.step()
+    zopt.zero_grad()
+    if stage == 3:
+        with zopt.gathered():
+            w = model[0].weight.detach().clone()
+    else:
+        w = model[0].weight.detach().clone()
+        model[0].weight.grad = torch.ones_like(model[0].weight)           # stage 1: reduced at step()
+    if stage > 1:
+        for p in model.parameters():
+            p.grad = torch.ones_like(p) if stage == 2 else None
+        if stage == 3:
+            model[1].bias.grad = torch.zeros_like(model[1].bias)      # the placeholder's shape (0 elements)
+            model[1].bias.grad.data = torch.ones(2)
+        with pytest.raises(ShardedGradError, match="did not come from backward"):
+            zopt.step()
+        assert zopt.steps == [1] * len(zopt.steps)
+        zopt.zero_grad()
+    else:
+        zopt.step()
+        assert not torch.equal(model[0].weight.detach(), w)
 
 
 def test_successful_construction_changes_model():

@@ -51,6 +51,21 @@ def _elements_overlap(a: Tensor, b: Tensor) -> bool:
     return bool(mark.as_strided(b.shape, b.stride(), b.storage_offset()).any())
 
 
+def internal_overlap(t: Tensor) -> bool:
+    """Whether two elements of ``t`` are one memory location (an expanded / stride-0 view): no in-place
+    update can step them as separate elements (torch's own in-place ops refuse such a tensor)."""
+    if t.numel() <= 1 or t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
+        return False
+    dims = sorted((abs(st), n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    extent = 1                                      # elements spanned by the smaller-stride dims
+    for st, n in dims:
+        if st < extent:                             # stride 0, or dims interleaving: count exactly
+            offsets = torch.arange(t.storage_offset() + extent + sum((n2 - 1) * s2 for s2, n2 in dims))
+            return offsets.as_strided(t.shape, t.stride(), t.storage_offset()).unique().numel() < t.numel()
+        extent = st * (n - 1) + extent
+    return False
+
+
 def overlapping_pair(tensors: list[Tensor]) -> tuple[int, int] | None:
     """Indices (i, j), i < j, of two distinct tensors that share memory (one a view of the other, e.g.
     ``Parameter(a.data.t())``), else None. One pass over data pointers; exact only where two tensors of
@@ -91,6 +106,11 @@ def check_no_shared_memory(gi: int, tensors: list[Any], others: list[tuple[int, 
                      "after the other, each seeing the other's write, while a fused step updates each from its "
                      "value before the step. Tie them instead (the same Parameter in both places) or give the "
                      "optimizer one of them")
+
+
+OVERLAP_FIX = ("has internally overlapping memory (an expanded or stride-0 view, e.g. nn.Parameter(x.expand(4))): "
+               "several of its elements are one memory location, which no in-place update can step as separate "
+               "elements; make it a tensor of its own (.clone())")
 
 
 def param_dtype_problem(t: Tensor, optimizer: str) -> str | None:

@@ -15,7 +15,8 @@ from .agreement import check_same_everywhere, join_barrier, signature
 from .coded import format_error
 from .config import ZeroConfig
 from .mesh import ZeroMesh, broadcast_from_first
-from .params import HPARAM_KEYS, ModelParams, model_error, plain, read_model, resolve_groups
+from .params import (HPARAM_KEYS, ModelParams, model_error, plain, read_model, resolve_groups,
+                     sparse_module_error)
 from .timeouts import timeout_scope
 
 __all__ = ["Plan", "plan", "bind"]
@@ -47,7 +48,7 @@ def plan(model: nn.Module, cfg: ZeroConfig, defaults: dict, param_groups, mesh: 
                          "only on the ranks of its data-parallel group")
     mp = read_model(model)
     groups, group_of, group_err = resolve_groups(param_groups, mp, defaults)
-    error = model_error(mp.trainable, cfg.param_dtype) or group_err \
+    error = model_error(mp.trainable, cfg.param_dtype) or sparse_module_error(model, mp) or group_err \
         or format_error(cfg, mp.trainable, [{**defaults, **g} for g in groups])
     device = mp.trainable[0][1].device if mp.trainable else torch.device("cpu")
     backend, coded = cfg.backend, None

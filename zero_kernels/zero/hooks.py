@@ -58,6 +58,7 @@ from torch.autograd import Variable
 from . import collectives as C
 from .buckets import FlatBucket
 from .grad_guard import ShardedGrad, ShardedGradError, take_grad
+from .params import sparse_message
 from .mesh import ZeroMesh, reduce_scatter
 
 __all__ = ["Stage2Reducer"]
@@ -152,6 +153,8 @@ class Stage2Reducer:
         g = take_grad(p)
         if g is None:
             return
+        if g.is_sparse:                            # a functional sparse embedding (modules: refused when built)
+            raise RuntimeError(sparse_message(b.param_specs[li].name))
         self.mark_grad(b.index, li)
         p.grad = self._placeholder(b, li, p)
         self.holding[key] = p
@@ -192,6 +195,17 @@ class Stage2Reducer:
                 if not (p.grad is self._placeholders[key]):
                     name = self._placeholders[key].param_name
                     break
+        if name is None:
+            for b in self.buckets:
+                for li, p in enumerate(b.params):
+                    if p.grad is not None and not self._held((b.index, li), p):
+                        raise ShardedGradError(
+                            f"p.grad of parameter {b.param_specs[li].name!r} holds a gradient that did not come "
+                            f"from backward (set by hand: p.grad = g, or p.grad.data = g): on a ZeRO-{self.stage} "
+                            "model gradients reach ZeroAdamW's sharded slices only through backward's hooks, so "
+                            "this step would ignore it. Nothing was changed. Produce it with backward() (e.g. "
+                            "torch.autograd.backward(params, grads)), or use stage 1, which reduces p.grad at "
+                            "step(); zopt.zero_grad() clears it.")
         if name is not None:
             raise ShardedGradError(
                 f"p.grad of parameter {name!r} was set to None (model.zero_grad(), another optimizer's "

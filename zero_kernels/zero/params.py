@@ -8,10 +8,11 @@ import torch
 from torch import Tensor, nn
 
 from ..hparams import validate_hparams
-from ..optim_checks import overlapping_pair
+from ..optim_checks import OVERLAP_FIX, internal_overlap, overlapping_pair
 from .config import FLOAT_DTYPES
 
-__all__ = ["ModelParams", "read_model", "model_error", "resolve_groups", "check_frozen", "HPARAM_KEYS"]
+__all__ = ["ModelParams", "read_model", "model_error", "resolve_groups", "check_frozen", "HPARAM_KEYS",
+           "sparse_message", "sparse_module_error"]
 
 HPARAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 
@@ -48,6 +49,8 @@ def model_error(trainable, param_dtype) -> str | None:
                     "parameters only; set requires_grad=False on it to leave it out")
         if p.is_sparse:
             return f"parameter {n!r} is sparse; ZeRO needs dense parameters"
+        if internal_overlap(p):
+            return f"parameter {n!r} {OVERLAP_FIX}"
         devices.add(p.device)
     if len(devices) > 1:
         where = {str(d): next(n for n, p in trainable if p.device == d) for d in devices}
@@ -62,6 +65,21 @@ def model_error(trainable, param_dtype) -> str | None:
                 "nn.Parameter(w.data.t())): ZeRO keeps each parameter in its own place of a flat buffer, so "
                 "they would stop sharing it and train apart without a word; tie them instead (the same "
                 "Parameter in both modules) or make them separate tensors")
+    return None
+
+
+def sparse_message(name: str) -> str:
+    return (f"parameter {name!r} has a sparse gradient (nn.Embedding(sparse=True), nn.EmbeddingBag(sparse=True) or "
+            "F.embedding(..., sparse=True)): ZeRO reduces and shards dense gradients only; build the module "
+            "with sparse=False, or train that parameter with torch.optim.SparseAdam outside ZeroAdamW "
+            "(requires_grad=False on it when ZeroAdamW is built)")
+
+
+def sparse_module_error(model: nn.Module, mp: ModelParams) -> str | None:
+    """The message for a trainable parameter of a module that makes sparse gradients, else None."""
+    for mod in model.modules():
+        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse and mod.weight.requires_grad:
+            return sparse_message(mp.first_name.get(id(mod.weight), "weight"))
     return None
 
 

@@ -30,6 +30,7 @@ from .grad_guard import Stage1GradGuard, local_grad
 from .hooks import Stage2Reducer
 from .mesh import ZeroMesh, all_reduce_everywhere
 from .reduce import Stage1Reducer
+from .params import sparse_message
 from .report import finish_report, nbytes, state_report
 
 __all__ = ["Stage1", "Stage2", "HookReduced", "StrategyContext"]
@@ -146,7 +147,11 @@ class Stage1(_GatheredParams):
         self.reducer.zero_grad(set_to_none)
 
     def check_grads(self) -> None:
-        pass                        # p.grad holds the local gradients themselves until step()
+        """p.grad holds the local gradients themselves until step(): dense ones only."""
+        for b in self.ctx.buckets:
+            for ps, p in zip(b.param_specs, b.params):
+                if p.grad is not None and local_grad(p).is_sparse:
+                    raise RuntimeError(sparse_message(ps.name))
 
     def start_reduction(self) -> None:
         self.reducer.launch_all()   # every reduce-scatter now; they complete while buckets step

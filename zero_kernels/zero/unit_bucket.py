@@ -25,7 +25,7 @@ from torch import Tensor
 from .. import _ext
 from . import collectives as C
 from .._param_edits import adopt_master
-from .buckets import FlatBucket, OptimState, fill_flat, master_from_originals
+from .buckets import FlatBucket, OptimState, check_bound, fill_flat, master_from_originals
 from .heap import release_free_heap
 from .qwz import quantized_all_gather
 
@@ -158,9 +158,7 @@ class UnitBucket(FlatBucket):
     def start_gather(self, rank: int, group, async_op: bool, tag: Any) -> bool:
         if self.gather_state != FREE:
             return False
-        err = self.placeholder_error()
-        if err is not None:
-            raise err
+        check_bound([self])             # cast / moved since construction, or written while freed
         flat = self.param_flat
         flat.untyped_storage().resize_(self.full_bytes)
         flat[self.slice_start:self.slice_end].copy_(self.shard)
