@@ -471,7 +471,7 @@ def _case_writes_between_steps(param_dtype, remainders):
         ref[0].weight.copy_(written["0.weight"])
     after = full()
     for k, v in written.items():
-        assert torch.equal(after[k], v), ("written", k, (after[k] - v).abs().max())  # the writes stand on every rank's slice
+        assert torch.equal(after[k], v), ("written", k, (after[k] - v).abs().max())  # on every rank's slice
     sd = {k: torch.full_like(v, 0.125) if k == "2.weight" else v.clone() for k, v in ref.state_dict().items()}
     with zopt.gathered():
         model.load_state_dict({k: v.to(model[0].weight.dtype) for k, v in sd.items()})

@@ -68,8 +68,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 __all__ = [
-    "GB", "DTYPE_BYTES", "bytes_per_param", "STATE_FORMATS", "GPT3_BLOCK_PARAMS", "DEFAULT_RESERVE", "STAGE_NAMES", "CATEGORIES",
-    "dtype_bytes", "model_state_bytes", "gather_buffer_bytes", "estimate_block_params",
+    "GB", "DTYPE_BYTES", "STATE_FORMATS", "GPT3_BLOCK_PARAMS", "DEFAULT_RESERVE", "STAGE_NAMES", "CATEGORIES",
+    "dtype_bytes", "bytes_per_param", "model_state_bytes", "gather_buffer_bytes", "estimate_block_params",
     "activation_bytes", "count_params", "data_parallel_size", "max_trainable_params",
     "PlanResult", "plan",
 ]

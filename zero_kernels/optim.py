@@ -139,8 +139,8 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
                 raise ValueError(f"params[{i}] {why}")
         tensors = [p[1] if isinstance(p, tuple) else p for p in params]
         check_distinct(len(self.param_groups), tensors)
-        check_no_shared_memory(len(self.param_groups), tensors,
-                               [(gi, pi, q) for gi, g in enumerate(self.param_groups) for pi, q in enumerate(g["params"])])
+        earlier = [(gi, pi, q) for gi, g in enumerate(self.param_groups) for pi, q in enumerate(g["params"])]
+        check_no_shared_memory(len(self.param_groups), tensors, earlier)
         devices = {t.device for t in tensors if isinstance(t, Tensor)}
         if len(devices) > 1:
             raise ValueError(f"one parameter group mixes devices {sorted(map(str, devices))}; a fused "

@@ -142,7 +142,7 @@ class FlatBucket:
         pruning, ``torch.nn.init``), or whatever the counters say with ``force`` (writes through ``p.data``:
         ``ZeroAdamW.refresh_fp32_params``), bring this rank's master slice to its slice of the working
         parameters, keeping every master that still rounds to its parameter."""
-        if self.master_is_param or (not force and [p._version for p in self.params] == self.versions):
+        if self.master_is_param or (not force and self.written_param() is None):
             return
         adopt_master(self.owned_params, self.master, self.remainder)
         self.record_versions()

@@ -40,27 +40,27 @@ def _format_bytes(fmt) -> tuple[float, float]:
 
 
 def finish_report(rep: dict[str, Any], buckets: Sequence[FlatBucket], module: nn.Module, frozen, stage: int,
-                  world: int, psi: int, reduce_dtype: torch.dtype, comm_bytes: int) -> dict[str, Any]:
+                  world: int, reduce_dtype: torch.dtype, comm_bytes: int) -> dict[str, Any]:
     """Add buffers, comm buffers, the total and the prediction (zero_kernels.memory)."""
     rep["buffers"] = sum(nbytes(t) for t in module.buffers()) + sum(nbytes(p.data) for p in frozen)
     rep["comm_buffers"] = comm_bytes        # kept between steps to avoid page faults; not model states
     rep["total"] = sum(rep[k] for k in ("params", "grads", "master_params", "exp_avg", "exp_avg_sq"))
-    rep["predicted"] = _predicted(buckets, psi, world, stage, reduce_dtype)
+    rep["predicted"] = _predicted(buckets, world, stage, reduce_dtype)
     rep["padding_elements"] = sum(b.spec.padded_numel - b.spec.numel for b in buckets)
     return rep
 
 
-def _predicted(buckets: Sequence[FlatBucket], psi: int, world: int, stage: int,
-               reduce_dtype: torch.dtype) -> dict[str, float]:
+def _predicted(buckets: Sequence[FlatBucket], world: int, stage: int, reduce_dtype: torch.dtype) -> dict[str, float]:
     """The formula's bytes, summed over the working-parameter dtypes (a model may keep fp32 and 16-bit
-    parameters: each has its own parameter and gradient bytes, and only 16-bit ones a master)."""
+    parameters: each has its own parameter and gradient bytes, and only 16-bit ones a master). The buckets
+    hold every parameter once, so their element counts add up to Ψ."""
     numel: dict[torch.dtype, int] = {}
     for b in buckets:
         numel[b.dtype] = numel.get(b.dtype, 0) + b.spec.numel
     master_bytes, optim_bytes = _format_bytes(buckets[0].fmt)
     out: dict[str, float] = {}
     for dtype, n in numel.items():
-        part = model_state_bytes(n * psi / sum(numel.values()), world, stage, param_bytes=dtype.itemsize,
+        part = model_state_bytes(n, world, stage, param_bytes=dtype.itemsize,
                                  grad_bytes=dtype.itemsize if stage == 1 else reduce_dtype.itemsize,
                                  master_bytes=0 if dtype == torch.float32 else master_bytes,
                                  optim_bytes=optim_bytes)

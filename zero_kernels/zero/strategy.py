@@ -46,7 +46,7 @@ class StrategyContext:
         self.mesh = mesh if mesh is not None else ZeroMesh(group, None)     # [Note: hybrid sharding]
 
     def report(self, rep: dict[str, Any], stage: int, comm_bytes: int) -> dict[str, Any]:
-        return finish_report(rep, self.buckets, self.model, self.frozen, stage, self.world, self.layout.numel,
+        return finish_report(rep, self.buckets, self.model, self.frozen, stage, self.world,
                              self.config.reduce_dtype, comm_bytes)
 
 

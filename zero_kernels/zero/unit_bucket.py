@@ -24,7 +24,6 @@ from torch import Tensor
 
 from .. import _ext
 from . import collectives as C
-from .._param_edits import adopt_master
 from .buckets import FlatBucket, OptimState, check_bound, fill_flat, master_from_originals
 from .heap import release_free_heap
 from .qwz import quantized_all_gather
@@ -137,12 +136,10 @@ class UnitBucket(FlatBucket):
     def writeback(self) -> None:
         """End of ``zopt.gathered()``: parameters written while gathered become this rank's shard (and its
         master, by adoption) ([Note: writes to stage-3 parameters])."""
-        if self.gather_state != GATHERED or [p._version for p in self.params] == self.versions:
+        if self.gather_state != GATHERED or self.written_param() is None:
             return
         self.shard.copy_(self.param_flat[self.slice_start:self.slice_end])
-        if not self.master_is_param:
-            adopt_master(self.shard, self.master, self.remainder)
-        self.record_versions()
+        super().adopt_edits(force=True)         # the master slice brought to the written shard
 
     def _is_view(self, p: Tensor, ps) -> bool:
         # freed (or still gathering): parameters are the empty placeholder, which has no elements
