@@ -407,6 +407,9 @@ def test_bf16_amsgrad_tied_round_trip(tmp_path):
             loss_fn(m0, *lm_batch(s, 1)).backward()
             z0.step()
             z0.zero_grad()
+        for z, v in ((z0, 0.0125), (z1, 5.0)):       # as an LR scheduler sets it (the loaded one must win)
+            for g in z.param_groups:
+                g["initial_lr"] = v
         msd, osd = zk_dcp.get_state_dict(z0)
         assert msd["head.weight"] is msd["emb.weight"] and "head.weight" not in osd["state"]
         assert set(osd["state"]["unused"]) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
@@ -418,6 +421,7 @@ def test_bf16_amsgrad_tied_round_trip(tmp_path):
         sd = {"model": msd, "optim": osd}
         dcp.load(sd, checkpoint_id=path)
         zk_dcp.set_state_dict(z1, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        assert [g["initial_lr"] for g in z1.param_groups] == [0.0125] * len(z1.param_groups)
         for b0, b1 in zip(z0.buckets, z1.buckets):
             for k, t in b0.state_tensors().items():
                 assert torch.equal(t, b1.state_tensors()[k]), (stage, k)

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import os
 import sys
+import uuid
 import warnings
 from typing import Any, Callable
 
@@ -81,12 +82,14 @@ import torch
 from . import codecs
 from .checkpoint_format import (FORMAT, FORMAT_VERSION, CheckpointError, Shards, atomic_write, canonical,
                                 check_numels, check_state_codes, fsync_dir, json_bytes, load_small, new_version,
-                                prune, read_metadata, resolve, shard_name, versions)
+                                foreign_versions, lineage_of, prune, read_metadata, resolve, shard_name, versions)
 from .checkpoint_tools import check_fit, consolidate, inspect, main
 from .layout import Layout, dtype_name
 from .state_keys import keyed_state
+from .zero import collectives as C
+from .zero.mesh import fingerprint, same_everywhere
 
-__all__ = ["save_checkpoint", "load_checkpoint", "consolidate", "inspect", "main", "resolve", "read_metadata",
+__all__ = ["save_checkpoint", "load_checkpoint", "check_keep", "consolidate", "inspect", "main", "resolve", "read_metadata",
            "CheckpointError", "FORMAT", "FORMAT_VERSION"]
 
 # Test hook: called as _FAULT(rank, file_name) after each file this process writes (raise to
@@ -113,21 +116,20 @@ def _plain(v):
 
 # ---- collectives (tiny objects only) ------------------------------------------------------------
 def _gather(obj, opt, what: str) -> list:
-    """all_gather_object; a peer that died or left mid-collective raises CheckpointError (not gloo's
-    raw "connection reset"), naming the operation."""
-    import torch.distributed as dist
+    """Every rank's ``obj`` (JSON-able: tuples come back as lists), bounded by ``timeout=`` ([Note: collective
+    timeouts]); a peer that died, left or timed out raises CheckpointError (not gloo's raw "connection
+    reset"), naming the operation."""
     if opt.world_size == 1:
         return [obj]
-    out: list = [None] * opt.world_size
     try:
-        dist.all_gather_object(out, obj, group=opt.process_group)
-    except RuntimeError as e:               # DistBackendError / gloo errors included
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        return C.exchange_json(obj, opt.process_group, f"{what.split('(')[0]} status exchange")
+    except RuntimeError as e:               # DistBackendError / gloo errors / CollectiveTimeoutError included
+        first = str(e).strip().splitlines()[0][:400] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{what}: exchanging status with the other {opt.world_size - 1} rank(s) failed on "
                               f"rank {opt.rank}: {first}. Likely cause: another rank died, exited or timed out "
-                              "during the collective (check its log); the previous checkpoint (if any) is still "
-                              "the LATEST one") from e
-    return out
+                              "during the collective (check its log)"
+                              + ("; the previous checkpoint (if any) is still the LATEST one"
+                                 if what.startswith("save") else "; nothing was loaded")) from e
 
 
 def _agree(err: str | None, opt, what: str) -> None:
@@ -168,6 +170,12 @@ def _metadata(opt, version_dir_name: str) -> dict:
     # and consolidate would put it last: its states on another parameter of a torch optimizer)
     in_layout = {p.name for p in lay.params}
     reg_order = [n for n, p in module.named_parameters() if n in in_layout]
+    # each group's parameters in the order the optimizer's param_groups list them: the indices a torch
+    # optimizer built from the same groups gives them (consolidate follows it)
+    first = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), n)
+    group_order = [[first[id(p)] for p in g["params"] if first.get(id(p)) in in_layout] for g in opt.param_groups]
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "version_dir": version_dir_name,
         "torch_version": torch.__version__, "stage": int(opt.stage), "world_size": int(opt.world_size),
@@ -178,11 +186,12 @@ def _metadata(opt, version_dir_name: str) -> dict:
         "param_groups": groups,
         "amsgrad_state": any(b.amsgrad for b in opt.buckets),
         **opt.scaling.state_dict(),                 # "loss_scaler", "skipped_steps": as the shard state dict's
-        "state_dict_keys": sd_keys, "registration_order": reg_order,
+        "state_dict_keys": sd_keys, "registration_order": reg_order, "group_order": group_order,
         "master_dtype": dtype_name(torch.float32),
         "state_format": _state_format(opt),
         "shards": [shard_name(r, opt.world_size) for r in range(opt.world_size)],
         "model_rest": "model_rest.pt",
+        "lineage": opt.checkpoint_lineage,          # [Note: checkpoint lineage]: adopted by load_checkpoint
     }
 
 
@@ -247,7 +256,7 @@ def _write_shard(opt, vdir: str, expected: dict) -> tuple:
 
 
 def _finish(opt, root: str, vdir: str, vname: str, infos: list, keep: int) -> None:
-    """Rank 0: metadata, module rest (checked), COMPLETE (last), LATEST, pruning of our old versions."""
+    """Rank 0: metadata, module rest (checked), COMPLETE (last), LATEST, pruning of this lineage's old versions."""
     files = {f: i for f, i in (x for x, _ in infos)}
     keyed = _keyed(opt)
     meta = {**_metadata(opt, vname), **_record(opt, keyed)}
@@ -263,29 +272,52 @@ def _finish(opt, root: str, vdir: str, vname: str, infos: list, keep: int) -> No
     fsync_dir(vdir)
     _atomic_write(os.path.join(root, "LATEST"), lambda f: f.write(vname.encode()), opt.rank)
     fsync_dir(root)
-    # Drop our older versions (and half-written ones) beyond `keep` complete versions.
-    complete = [n for _, n in versions(root) if os.path.exists(os.path.join(root, n, "COMPLETE"))]
-    prune(root, set(complete[-max(1, keep):]) | {vname})
+    # [Note: checkpoint lineage]: drop this lineage's older versions (and half-written ones) beyond `keep`.
+    lineage = opt.checkpoint_lineage
+    ours = [n for _, n in versions(root) if lineage_of(os.path.join(root, n)) == lineage
+            and os.path.exists(os.path.join(root, n, "COMPLETE"))]
+    prune(root, set(ours[-keep:]) | {vname}, lineage)
+
+
+def _warn_foreign(root: str, lineage: str, vname: str) -> None:
+    others = [n for n in foreign_versions(root, lineage) if n != vname]
+    if others:
+        warnings.warn(f"save_checkpoint({root!r}): the root also holds {len(others)} version(s) this optimizer did "
+                      f"not write and did not load ({', '.join(others[:4])}{' ...' if len(others) > 4 else ''}): they "
+                      f"are kept (keep= counts only this run's versions) and LATEST now names this save ({vname}). "
+                      "Two optimizers (a GAN's G and D) need two roots ([Note: checkpoint lineage])",
+                      UserWarning, stacklevel=4)
+
+
+def check_keep(keep) -> int:
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"save_checkpoint: keep must be a positive int (the number of complete versions of this "
+                         f"run to keep under the root), got {keep!r}")
+    return keep
 
 
 @torch.no_grad()
 def save_checkpoint(opt, path, keep: int = 1) -> str:
     """Collective. Writes a new version under the root ``path``; returns its directory. ``path``
-    must be new, empty or a checkpoint root ([Note: checkpoint ownership]).
+    must be new, empty or a checkpoint root ([Note: checkpoint ownership]). ``keep``: how many complete
+    versions of this run ([Note: checkpoint lineage]) stay under the root; older ones are removed.
 
     Call between steps (after ``step()``/``zero_grad()``): pending gradients are not saved."""
+    keep = check_keep(keep)
     opt.wait_for_params()              # overlap_param_gather: parameters settled first
     root = os.fspath(path)
     what = f"save_checkpoint({root!r})"
     vname, err = None, None
+    lineage = opt.checkpoint_lineage or uuid.uuid4().hex
     if opt.rank == 0:
         try:
-            vname = new_version(root)
+            vname = new_version(root, lineage, list(_written_files(opt)))
         except Exception as e:  # noqa: BLE001 - reported to every rank
             err = _describe(e)
-    vname, err0 = _gather((vname, err), opt, what)[0]
+    vname, lineage, err0 = _gather((vname, lineage, err), opt, what)[0]
     if err0 is not None:
         raise CheckpointError(f"{what}: rank 0 could not create the version directory: {err0}")
+    opt.checkpoint_lineage = lineage          # rank 0's: every rank agrees on the run it saves
     vdir = os.path.join(root, vname)
     infos = _gather(_write_shard(opt, vdir, _shard_numels(opt)), opt, what)
     bad = [(r, e) for r, (_, e) in enumerate(infos) if e is not None]
@@ -303,7 +335,15 @@ def save_checkpoint(opt, path, keep: int = 1) -> str:
     if errs[0] is not None:
         raise CheckpointError(f"{what} failed on rank 0 while finishing {vdir}: {errs[0]}; "
                               "the previous checkpoint (if any) is still the LATEST one")
+    if opt.rank == 0:
+        _warn_foreign(root, lineage, vname)
     return vdir
+
+
+def _written_files(opt) -> list[str]:
+    """Every file a save of ``opt`` writes into its version directory (named in the owner file)."""
+    return ["metadata.json", "model_rest.pt", "COMPLETE"] + [shard_name(r, opt.world_size)
+                                                             for r in range(opt.world_size)]
 
 
 # ---- reading ------------------------------------------------------------------------------------
@@ -333,7 +373,13 @@ def load_checkpoint(opt, path, verify: bool = True) -> None:
     except Exception as e:  # noqa: BLE001
         err = f"{type(e).__name__}: {e}"
     _agree(err, opt, "load_checkpoint")
-    new_state, new16, meta, rest, shards, steps = staged
+    new_state, new16, meta, rest, shards, steps, identity = staged
+    if not same_everywhere(identity, opt.mesh):
+        shards.close()
+        raise CheckpointError(f"load_checkpoint({os.fspath(path)!r}): the ranks did not read the same checkpoint "
+                              f"version (this rank read {meta.get('version_dir')!r}): a save into the root finished "
+                              "while they resolved LATEST, or the ranks were given different paths. Pass every rank "
+                              "the same version directory (e.g. root/v000007); nothing was loaded on any rank")
     # ---- apply (every rank succeeded) ----
     opt.wait_for_params()              # no all-gather may still be writing the parameters
     for b in opt.buckets:
@@ -345,6 +391,8 @@ def load_checkpoint(opt, path, verify: bool = True) -> None:
         else:                               # fp32 states, encoded into this optimizer's format
             b.store_fp32_states(new_state[b.index], max(steps, default=0))
     opt.steps = steps
+    if isinstance(meta.get("lineage"), str):
+        opt.checkpoint_lineage = meta["lineage"]     # [Note: checkpoint lineage]: a resumed run continues it
     saved_fmt = meta.get("state_format", _FP32_STATES)
     if saved_fmt != _state_format(opt):
         warnings.warn(f"load_checkpoint converted the optimizer states from the checkpoint's format {saved_fmt} to this "
@@ -388,6 +436,7 @@ def _load_rest(opt, vdir: str, marker: dict, meta: dict, verify: bool) -> dict:
 def _stage_load(opt, path, verify):
     vdir = resolve(path)
     marker, meta = read_metadata(vdir)
+    identity = fingerprint(marker)          # every file's sha256: the same on every rank reading one version
     meta_path = os.path.join(vdir, "metadata.json")
     check_state_codes(meta, meta_path)
     match = check_fit(opt, meta, meta_path)
@@ -402,7 +451,7 @@ def _stage_load(opt, path, verify):
         for b in opt.buckets:
             new_state[b.index] = {k: shards.get(opt.rank, f"b{b.index}.{k}") for k in b.state_tensors()}
             new16[b.index] = None if _owned16(b) is None else shards.get(opt.rank, f"b{b.index}.params16")
-        return new_state, new16, meta, rest, shards, steps
+        return new_state, new16, meta, rest, shards, steps, identity
     for b in opt.buckets:
         keys = ["master", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if b.amsgrad else [])
         out = {k: torch.zeros(b.spec.shard_numel, dtype=torch.float32) for k in keys}
@@ -417,7 +466,7 @@ def _stage_load(opt, path, verify):
                         continue                                    # fresh amsgrad state: zeros
                     out[k][dst].copy_(shards.fp32(r, sb.index, k)[src])
         new_state[b.index] = out
-    return new_state, new16, meta, rest, shards, steps
+    return new_state, new16, meta, rest, shards, steps, identity
 
 
 def _stored_as_is(opt, meta: dict) -> bool:

@@ -4,10 +4,18 @@
 [Note: checkpoint ownership]
 A version directory is *ours* when it holds the ``.zero_kernels`` file (written first, right after
 the directory is created) or a COMPLETE marker of our format (checkpoints written before the owner
-file existed). Only our version directories count as versions, and pruning removes only the files a
-save writes (COMPLETE, metadata.json, model_rest.pt, shard files, the owner file, temporaries) and
-then the directory if it is empty: anything else a user put there survives. A save refuses a
-non-empty directory that is not a checkpoint root (none of our versions inside).
+file existed). Only our version directories count as versions. A save refuses a non-empty directory
+that is not a checkpoint root (none of our versions inside).
+
+[Note: checkpoint lineage]
+The owner file also names the save's *lineage* (a random token) and the files the save will write.
+An optimizer takes a lineage at its first save, or adopts the loaded checkpoint's at
+``load_checkpoint`` (a resumed run continues the run it resumed). Pruning (``keep``) removes only
+versions of the saving optimizer's own lineage, complete beyond ``keep`` or half-written, and in them
+only the files their owner file names (with their temporaries), then the owner file, then the
+directory if it is empty: versions another optimizer wrote into the same root (a GAN's G and D, two
+jobs, a rerun from scratch) and anything a user put there survive. Versions written before owner
+files named a lineage are never pruned.
 
 [Note: checkpoint names]
 LATEST, the shard and model_rest names in metadata.json and the file names in COMPLETE are plain
@@ -41,7 +49,7 @@ from .state_keys import canonical_names
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "OWNER_FILE", "CheckpointError", "shard_name", "safe_join", "versions",
            "check_state_codes",
-           "check_root", "new_version", "prune", "resolve", "read_metadata", "validate_layout", "load_small",
+           "check_root", "new_version", "prune", "lineage_of", "foreign_versions", "resolve", "read_metadata", "validate_layout", "load_small",
            "check_numels", "Shards", "sha256_file", "fsync_dir", "json_bytes", "atomic_write", "saved_layout",
            "canonical", "param_names"]
 
@@ -49,8 +57,6 @@ FORMAT = "zero_kernels.checkpoint"
 FORMAT_VERSION = 1
 OWNER_FILE = ".zero_kernels"
 VDIR = re.compile(r"^v(\d{6,})$")
-_SHARD = re.compile(r"^shard-\d{5,}-of-\d{5,}\.pt$")
-_WRITTEN = ("COMPLETE", "metadata.json", "model_rest.pt", OWNER_FILE)
 
 
 class CheckpointError(ValueError):
@@ -156,8 +162,9 @@ def check_root(root: str) -> None:
                           "replace LATEST and prune old versions; choose a new or empty directory")
 
 
-def new_version(root: str) -> str:
-    """Create the next version directory (with its owner file) under ``root``; returns its name."""
+def new_version(root: str, lineage: str, files: list[str]) -> str:
+    """Create the next version directory under ``root`` with its owner file, which names the save's
+    ``lineage`` and the ``files`` it will write ([Note: checkpoint lineage]); returns its name."""
     check_root(root)
     os.makedirs(root, exist_ok=True)
     vs = versions(root)
@@ -167,27 +174,53 @@ def new_version(root: str) -> str:
         try:
             os.makedirs(os.path.join(root, name))
             break
-        except FileExistsError:            # a directory we did not write: never reuse it
+        except FileExistsError:            # a directory we did not write (or a concurrent save's): never reuse it
             n += 1
     with open(os.path.join(root, name, OWNER_FILE), "wb") as f:
-        f.write(json_bytes({"format": FORMAT, "format_version": FORMAT_VERSION}))
+        f.write(json_bytes({"format": FORMAT, "format_version": FORMAT_VERSION, "lineage": lineage,
+                            "files": list(files)}))
     return name
 
 
-def prune(root: str, keep: set[str]) -> None:
-    """Remove our version directories not in ``keep``: only the files a save writes."""
+def _owner(vdir: str) -> dict:
+    """The owner file's record ({} when absent or unreadable: written before owner files, or not ours)."""
+    try:
+        with open(os.path.join(vdir, OWNER_FILE)) as f:
+            d = json.load(f)
+        return d if isinstance(d, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def lineage_of(vdir: str) -> str | None:
+    lin = _owner(vdir).get("lineage")
+    return lin if isinstance(lin, str) else None
+
+
+def prune(root: str, keep: set[str], lineage: str) -> None:
+    """Remove the versions of ``lineage`` not in ``keep``: only the files their owner file names (and their
+    temporaries), then the owner file and the directory if nothing else is left ([Note: checkpoint lineage])."""
     for _, name in versions(root):
-        if name in keep:
-            continue
         vdir = os.path.join(root, name)
+        if name in keep or lineage_of(vdir) != lineage:
+            continue
+        written = {f for f in _owner(vdir).get("files", []) if isinstance(f, str) and "/" not in f}
+        written |= {"COMPLETE", "metadata.json", "model_rest.pt"}
         for f in os.listdir(vdir):
             p = os.path.join(vdir, f)
-            if os.path.isfile(p) and (f in _WRITTEN or _SHARD.match(f) or ".tmp-" in f):
+            if os.path.isfile(p) and not os.path.islink(p) and (
+                    f in written or any(f.startswith(w + ".tmp-") for w in written)):
                 os.remove(p)
+        os.remove(os.path.join(vdir, OWNER_FILE))      # the version is gone (a user's files may stay)
         try:
             os.rmdir(vdir)
         except OSError:
-            pass                        # someone else's files are inside: keep them
+            pass                            # someone else's files are inside: keep them
+
+
+def foreign_versions(root: str, lineage: str) -> list[str]:
+    """Names of the versions under ``root`` written by another lineage (or before lineages were recorded)."""
+    return [n for _, n in versions(root) if lineage_of(os.path.join(root, n)) != lineage]
 
 
 # ---- reading ----------------------------------------------------------------------------------------
@@ -212,6 +245,12 @@ def resolve(path) -> str:
             raise CheckpointError(f"{latest} names {name!r}, but {vdir!r} has no COMPLETE marker")
         return vdir
     vs = versions(p)
+    done = [n for _, n in vs if os.path.isfile(os.path.join(p, n, "COMPLETE"))]
+    if done:
+        raise CheckpointError(f"checkpoint root {p!r} has no LATEST, but {', '.join(done)} "
+                              f"{'is' if len(done) == 1 else 'are'} complete (a save was interrupted after its "
+                              f"COMPLETE marker, before LATEST was written): load one by its path, e.g. "
+                              f"{os.path.join(p, done[-1])!r}")
     if vs:
         raise CheckpointError(f"checkpoint root {p!r} has no complete checkpoint (no LATEST): "
                               f"{', '.join(n for _, n in vs)} lack the COMPLETE marker (interrupted saves)")

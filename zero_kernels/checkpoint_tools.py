@@ -27,7 +27,22 @@ def _torch_group(meta: dict, g: dict) -> dict:
     kw["betas"] = tuple(kw.get("betas", (0.9, 0.999)))
     dummy = cls([torch.zeros(1, requires_grad=True)], **kw)
     out = {k: v for k, v in dummy.param_groups[0].items() if k != "params"}
+    # keys torch's optimizers do not set but keep in a group (a scheduler's initial_lr, user keys) carry over
+    out.update({k: v for k, v in g.items() if k not in out and k != "params"})
     return out
+
+
+def _group_members(meta: dict, lay, gi: int) -> list:
+    """Group ``gi``'s saved parameters in the order the optimizer's param group listed them (recorded as
+    ``group_order``; a torch optimizer built from the same groups numbers them so), else (checkpoints saved
+    before it was recorded) in the module's registration order."""
+    members = [p for p in lay.params if p.group == gi]
+    listed = (meta.get("group_order") or [None] * (gi + 1))[gi]
+    if listed is not None and sorted(listed) == sorted(p.name for p in members):
+        order = {n: i for i, n in enumerate(listed)}
+    else:
+        order = {n: i for i, n in enumerate(meta["registration_order"])}
+    return sorted(members, key=lambda p: order.get(p.name, 1 << 30))
 
 
 def _full_states(vdir: str, marker: dict, meta: dict, lay, keys: list[str], verify: bool) -> dict:
@@ -99,8 +114,10 @@ def consolidate(path, out: str | None = None, verify: bool = True) -> dict:
 
     Result: {"model": state_dict (trainable parameters as fp32 masters, tied names sharing one
     tensor, frozen parameters and floating buffers as fp32), "optimizer": torch optimizer state
-    dict whose parameter indices follow, group by group, the module's registration order of
-    trainable parameters (``param_names`` lists them), "param_names", "metadata"}."""
+    dict whose parameter indices follow, group by group, the order in which the optimizer's param groups
+    listed the trainable parameters (as ``torch.optim.AdamW`` built from the same groups numbers them; the
+    module's registration order for checkpoints saved before that order was recorded); ``param_names``
+    lists them, "metadata"}."""
     vdir = resolve(path)
     if out is not None:
         check_output_path(os.fspath(out), vdir)
@@ -112,11 +129,10 @@ def consolidate(path, out: str | None = None, verify: bool = True) -> dict:
     rest = load_small(vdir, meta["model_rest"], marker, verify, meta.get("tensors", {}).get("model_rest.pt"))
     model = _model_entries(meta, lay, full["master"], rest)
     steps = {p.index: p_meta["step"] for p, p_meta in zip(lay.params, meta["params"])}
-    order = {n: i for i, n in enumerate(meta["registration_order"])}
     groups, state, names = [], {}, []
     idx = 0
     for gi, g in enumerate(meta["param_groups"]):
-        members = sorted((p for p in lay.params if p.group == gi), key=lambda p: order.get(p.name, 1 << 30))
+        members = _group_members(meta, lay, gi)
         tg = _torch_group(meta, g)
         tg["params"] = []
         gnames = []
@@ -172,15 +188,23 @@ def inspect(path, file=None) -> dict:
     return meta
 
 
-def match_params(mine, saved, meta_path: str) -> dict:
-    """{loader parameter index: saved ParamSpec}, by wrapper-free names ([Note: state-dict keys])."""
+def match_params(mine, saved, meta_path: str, saved_keys=(), model_keys=()) -> dict:
+    """{loader parameter index: saved ParamSpec}, by wrapper-free names ([Note: state-dict keys]).
+    ``saved_keys`` / ``model_keys`` (the saved and the loader's module state-dict keys) name, in the errors, a
+    parameter trainable on one side and frozen on the other."""
     sc = canonical([n for p in saved.params for n in param_names(p)], meta_path)
     by_name = {sc[n]: p for p in saved.params for n in param_names(p)}
     mc = canonical([n for p in mine.params for n in param_names(p)], "the model")
+    saved_rest = set(canonical(list(saved_keys), meta_path).values())
+    model_rest = set(canonical(list(model_keys), "the model").values())
     out = {}
     for p in mine.params:
         sp = next((by_name[mc[n]] for n in param_names(p) if mc[n] in by_name), None)
         if sp is None:
+            if mc[p.name] in saved_rest:
+                raise CheckpointError(f"{meta_path}: the model's parameter {p.name!r} is trainable here but was frozen "
+                                      "(requires_grad=False: no optimizer state) when the checkpoint was saved; "
+                                      "freeze it before constructing the optimizer, as at save time")
             raise CheckpointError(f"{meta_path}: the model's trainable parameter {p.name!r} (shape "
                                   f"{tuple(p.shape)}) is not in the checkpoint")
         if tuple(sp.shape) != tuple(p.shape):
@@ -191,17 +215,25 @@ def match_params(mine, saved, meta_path: str) -> dict:
                                   f"checkpoint but in group {p.group} here: build the same param_groups")
         out[p.index] = sp
     used = {sp.index for sp in out.values()}
-    extra = [p.name for p in saved.params if p.index not in used]
+    extra = [p for p in saved.params if p.index not in used]
+    frozen_here = [p.name for p in extra if sc[p.name] in model_rest]
+    if frozen_here:
+        raise CheckpointError(f"{meta_path}: parameter(s) {frozen_here[:5]} were trainable when the checkpoint was "
+                              "saved but are frozen here (requires_grad=False); unfreeze them before constructing "
+                              "the optimizer, as at save time")
     if extra:
+        names = [p.name for p in extra]
         raise CheckpointError(f"{meta_path}: the checkpoint has trainable parameter(s) the model lacks: "
-                              f"{extra[:5]}{' ...' if len(extra) > 5 else ''}")
+                              f"{names[:5]}{' ...' if len(names) > 5 else ''}")
     return out
 
 
 def check_fit(opt, meta: dict, meta_path: str) -> dict:
     """Parameter names, shapes, groups and optimizer kind must match the loader's model; returns
     ``match_params`` of the loader's parameters onto the saved ones."""
-    match = match_params(opt.layout, saved_layout(meta, meta_path), meta_path)
+    model_keys = list(opt.module.state_dict(keep_vars=True).keys())
+    match = match_params(opt.layout, saved_layout(meta, meta_path), meta_path, meta.get("state_dict_keys", ()),
+                         model_keys)
     if len(meta["param_groups"]) != len(opt.param_groups):
         raise CheckpointError(f"{meta_path}: {len(meta['param_groups'])} param groups in the checkpoint, "
                               f"{len(opt.param_groups)} here")

@@ -18,7 +18,7 @@ from .zero.relayout import chunk_range, chunk_shape
 __all__ = ["DCPNames", "dcp_names", "check_model_sd", "check_optim_sd", "local_part", "MOMENT_KEYS"]
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
-LOADED_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "maximize")
+LOADED_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "maximize", "initial_lr")   # initial_lr: LR schedulers
 
 
 class DCPNames(NamedTuple):

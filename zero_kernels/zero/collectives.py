@@ -36,6 +36,7 @@ collectives; NCCL always uses the native collectives.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import time
 import zlib
@@ -51,7 +52,7 @@ from .wire import record_collective, record_sends
 __all__ = ["ReduceScatterResult", "AllGatherResult", "broadcast_from_first", "reduce_scatter_bucket", "all_gather_bucket",
            "all_reduce_tensor", "wait", "TRACE", "group_rank", "group_size", "timeout_scope",
            "wait_work", "CollectiveTimeoutError", "current_timeout", "device_for_backend", "comm_device",
-           "flag_tensor"]
+           "flag_tensor", "exchange_json"]
 
 TRACE: list | None = None
 # "p2p" | "allreduce" | "native" (see [Note: gloo collectives]); env ZK_GLOO_MODE sets the default
@@ -312,7 +313,7 @@ def all_reduce_tensor(t: Tensor, op=dist.ReduceOp.SUM, group=None, async_op: boo
         return None
     record_collective("all_reduce", group, t.numel() * t.element_size())
     if not async_op and current_timeout() is not None:   # bounded wait (see [Note: collective timeouts])
-        wait_work(dist.all_reduce(t, op=op, group=group, async_op=True), "all_reduce")
+        wait_work(dist.all_reduce(t, op=op, group=group, async_op=True), "all_reduce", group=group)
         return None
     return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
@@ -333,11 +334,37 @@ def broadcast_from_first(tensors: list[Tensor], group=None) -> None:
         flat = torch.cat([t.detach().reshape(-1) for t in ts]).to(comm_device(group, device))
         record_collective("broadcast", group, flat.numel() * flat.element_size())
         work = dist.broadcast(flat, src=_peer(group, 0), group=group, async_op=True)
-        wait_work(work, "broadcast") if current_timeout() is not None else work.wait()
+        wait_work(work, "broadcast", group=group) if current_timeout() is not None else work.wait()
         off = 0
         for t in ts:
             t.copy_(flat[off:off + t.numel()].view_as(t))
             off += t.numel()
+
+
+def exchange_json(obj: Any, group=None, kind: str = "status exchange") -> list:
+    """Every rank's ``obj`` (small and JSON-able: statuses, names, file hashes; tuples come back as
+    lists) on every rank of ``group``, in group-rank order: two all-gathers (lengths, then bytes)
+    bounded by the enclosing ``timeout_scope`` like every wait here. ``all_gather_object`` would
+    wait for the process group's own timeout, and unpickle what peers send."""
+    n = group_size(group)
+    if n == 1:
+        return [obj]
+    raw = json.dumps(obj).encode()
+    dev = comm_device(group)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(n)]
+    _bounded(dist.all_gather(lengths, torch.tensor([len(raw)], dtype=torch.int64, device=dev), group=group,
+                             async_op=True), kind, group)
+    m = max(int(x.item()) for x in lengths)
+    mine = torch.zeros(m, dtype=torch.uint8)
+    if raw:
+        mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    outs = [torch.empty(m, dtype=torch.uint8, device=dev) for _ in range(n)]
+    _bounded(dist.all_gather(outs, mine.to(dev), group=group, async_op=True), kind, group)
+    return [json.loads(bytes(o[:int(k.item())].cpu().tolist()).decode()) for o, k in zip(outs, lengths)]
+
+
+def _bounded(work, kind: str, group) -> None:
+    wait_work(work, kind, group=group) if current_timeout() is not None else work.wait()
 
 
 def wait(result) -> Tensor | None:

@@ -30,6 +30,8 @@ average too ([Note: hierarchical qgZ]: int8 codes across nodes as well).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -40,7 +42,7 @@ from . import collectives as C
 from .qgz import quantized_average, quantized_reduce_scatter
 
 __all__ = ["ZeroMesh", "resolve_mesh", "reduce_scatter", "all_reduce_everywhere", "broadcast_from_first",
-           "replicate_average", "MESH_DIM_NAMES"]
+           "replicate_average", "same_everywhere", "fingerprint", "MESH_DIM_NAMES"]
 
 MESH_DIM_NAMES = ("replicate", "shard")
 
@@ -167,6 +169,20 @@ def all_reduce_everywhere(t: Tensor, op, mesh: ZeroMesh) -> None:
     group: exact for MAX, MIN and SUM)."""
     for g in mesh.groups:
         C.all_reduce_tensor(t, op=op, group=g)
+
+
+def same_everywhere(value: int, mesh: ZeroMesh) -> bool:
+    """True on every rank when every rank of the mesh passed the same ``value`` (an int64: a fingerprint);
+    one all-reduce(MAX) of (value, -value) per group, bounded by the enclosing timeout scope."""
+    t = C.flag_tensor([value, -value], mesh.shard_group, dtype=torch.int64)
+    all_reduce_everywhere(t, dist.ReduceOp.MAX, mesh)
+    return int(t[0].item()) == -int(t[1].item())
+
+
+def fingerprint(obj) -> int:
+    """A 56-bit fingerprint of a JSON-able object (``same_everywhere``'s value)."""
+    raw = json.dumps(obj, sort_keys=True, default=str).encode()
+    return int(hashlib.sha256(raw).hexdigest()[:14], 16)
 
 
 @torch.no_grad()

@@ -19,7 +19,8 @@ from .mesh import resolve_mesh
 from .params import check_frozen
 from .scaling import StepScaling
 from .stage3 import Stage3
-from .state_dict import agree_to_load, apply_shard, check_shard, full_model_state_dict, shard_state_dict
+from .state_dict import (agree_to_load, apply_shard, check_shard, full_model_state_dict, shard_identity,
+                         shard_state_dict)
 from .step import global_norm, step_bucket
 from .strategy import Stage1, Stage2, StrategyContext
 from .timeouts import bounded_by_timeout
@@ -92,6 +93,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._clip_coef: Tensor | None = None
         self._active_cache: Tensor | None = None
         self.wire = WireMeter(zmesh.groups)             # [Note: bytes on the wire] (wire.py)
+        self.checkpoint_lineage: str | None = None      # [Note: checkpoint lineage] (checkpoint_format.py)
 
     # ---- torch.optim.Optimizer plumbing -------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -257,15 +259,16 @@ class ZeroAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a shard saved by state_dict() on the same rank of the same layout (collective: the
         working parameters are refreshed from the loaded masters). Raises before changing anything."""
-        error = None
+        error, identity = None, 0
         try:
             check_shard(state_dict, self.layout, self.world_size, self.rank, self.buckets, self.param_groups)
             why = None if "scaling" not in state_dict else self.scaling.check_state(state_dict["scaling"])
             if why is not None:
                 raise ValueError(f"{why}. Nothing was loaded.")
+            identity = shard_identity(state_dict)
         except Exception as e:  # noqa: BLE001 - raised again by agree_to_load, on this rank and (named) on others
             error = e
-        agree_to_load(error, self.mesh)
+        agree_to_load(error, self.mesh, identity)
         self.wait_for_params()
         self.steps = apply_shard(state_dict, self.buckets, self.param_groups)
         if "scaling" in state_dict:                     # shards saved before it was kept: scaling unchanged
@@ -309,10 +312,12 @@ class ZeroAdamW(torch.optim.Optimizer):
         return self.scaling.scale_loss(loss)
 
     @bounded_by_timeout
-    def save_checkpoint(self, path) -> str:
+    def save_checkpoint(self, path, keep: int = 1) -> str:
         """Collective: every rank writes its shard of a resharding checkpoint under ``path`` (with a 2-D
-        mesh, the first replica's ranks write; [Note: hybrid sharding])."""
-        return self.mesh.on_first_replica(lambda: checkpoint.save_checkpoint(self, path),
+        mesh, the first replica's ranks write; [Note: hybrid sharding]); ``keep`` complete versions of this
+        run stay under ``path`` ([Note: checkpoint lineage])."""
+        checkpoint.check_keep(keep)         # on every row of the mesh, before any collective
+        return self.mesh.on_first_replica(lambda: checkpoint.save_checkpoint(self, path, keep=keep),
                                           checkpoint.CheckpointError)
 
     @bounded_by_timeout

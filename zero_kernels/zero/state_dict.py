@@ -29,10 +29,10 @@ from ..state_keys import keyed_state
 from .buckets import FlatBucket
 from . import collectives as C
 from .coded import decode_saved, saved_problem
-from .mesh import ZeroMesh, all_reduce_everywhere
+from .mesh import ZeroMesh, all_reduce_everywhere, fingerprint, same_everywhere
 from ..layout import Layout
 
-__all__ = ["SHARD_FORMAT", "SHARD_VERSION", "shard_state_dict", "check_shard", "apply_shard", "agree_to_load",
+__all__ = ["SHARD_FORMAT", "SHARD_VERSION", "shard_state_dict", "check_shard", "apply_shard", "agree_to_load", "shard_identity",
            "full_model_state_dict"]
 
 SHARD_FORMAT = "zero_kernels.zero/shard"
@@ -139,11 +139,18 @@ def full_model_state_dict(buckets: Sequence[FlatBucket], module: nn.Module,
     return {k: full[ps.name] if ps is not None else v.detach().clone() for k, ps, v in keyed_state(module, buckets)}
 
 
-def agree_to_load(error: Exception | None, mesh: ZeroMesh) -> None:
+def shard_identity(sd: dict[str, Any]) -> int:
+    """What every rank's shard of one save has in common (the step counts, group hyper-parameters and loss
+    scaler state): its fingerprint, compared across ranks by ``agree_to_load``."""
+    return fingerprint([sd.get("steps"), sd.get("param_groups"), sd.get("scaling")])
+
+
+def agree_to_load(error: Exception | None, mesh: ZeroMesh, identity: int = 0) -> None:
     """Collective (every rank of the mesh, bounded by the enclosing timeout): raise on every rank when the shard
     check failed on any, before any rank applies its shard. A rank given a wrong shard (every rank loading rank
     0's file) used to fail alone while the others applied theirs and then waited in the parameter all-gather
-    until the timeout, with different states on different ranks."""
+    until the timeout, with different states on different ranks. ``identity`` (``shard_identity``) must agree
+    too: shards of different saves (another step) were loaded silently, each rank its own step counts."""
     flag = C.flag_tensor([0 if error is None else 1], mesh.shard_group)
     all_reduce_everywhere(flag, dist.ReduceOp.MAX, mesh)
     if error is not None:
@@ -151,3 +158,7 @@ def agree_to_load(error: Exception | None, mesh: ZeroMesh) -> None:
     if int(flag.item()):
         raise ValueError("load_state_dict failed on another rank of the process group (its error names the "
                          "problem, e.g. a shard saved by another rank); nothing was loaded on any rank")
+    if not same_everywhere(identity, mesh):
+        raise ValueError("load_state_dict: the ranks were given shards of different saves (their step counts, "
+                         "param-group hyper-parameters or loss-scaler states differ): load every rank's shard "
+                         "saved by the same state_dict() call; nothing was loaded on any rank")

@@ -58,12 +58,16 @@ def current_timeout():
     return None if v is None else v[0]
 
 
-def wait_work(work, kind: str = "collective", tag: Any = None) -> None:
+def wait_work(work, kind: str = "collective", tag: Any = None, group=None) -> None:
+    """Wait for ``work``, bounded by the enclosing scope's timeout. ``group``: the group the collective
+    runs over, for the message (default: the scope's group; a collective over another group, e.g. a
+    hybrid mesh's replicate group inside the shard group's scope, passes its own)."""
     v = getattr(_SCOPE, "value", None)
     if v is None:
         work.wait()
         return
-    timeout, group = v
+    timeout, scope_group = v
+    group = scope_group if group is None else group
     t0 = time.perf_counter()
     try:
         ok = work.wait(timeout)
