@@ -17,7 +17,10 @@ from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 cfg = runpy.run_path(os.path.join(ROOT, "zero_kernels", "_build.py"))
-SKIP_EXT = os.environ.get("ZERO_KERNELS_SKIP_EXT", "0") not in ("", "0")
+try:
+    SKIP_EXT = runpy.run_path(os.path.join(ROOT, "zero_kernels", "_env.py"))["flag"]("ZERO_KERNELS_SKIP_EXT")
+except ValueError as e:
+    raise SystemExit(f"zero_kernels: {e}")
 OPT_OUT = "or set ZERO_KERNELS_SKIP_EXT=1 to install without it (JIT-built on first use)"
 
 

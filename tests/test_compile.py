@@ -120,6 +120,55 @@ def test_operator_found_inf_writes_nothing(backend):
     assert all(torch.equal(a, b) for la, lb in zip(ours[:6], before) for a, b in zip(la, lb))
 
 
+def _bad_operator_args():
+    """(what is wrong, the arguments, the message both operators give) -- each silently wrong in the triton
+    operator before its checks: a short gradient read past its end, a missing one skipped, ..."""
+    def base():
+        return _contract_inputs(2, True, torch.bfloat16)
+
+    def edit(i, j, t):
+        a = base()
+        a[i] = list(a[i])
+        a[i][j] = t
+        return a
+
+    def drop(i):
+        a = base()
+        a[i] = a[i][:-1]
+        return a
+
+    n0 = base()[0][0].numel()
+    cases = [("short grad", edit(1, 0, torch.randn(n0 - 1).bfloat16()), r"grads\[0\] has \d+ elements but masters\[0\] has"),
+             ("long grad", edit(1, 0, torch.randn(n0 + 2).bfloat16()), r"grads\[0\] has \d+ elements"),
+             ("missing grad", drop(1), "grads has 4 tensors but masters has 5"),
+             ("missing exp_avg_sq", drop(3), "exp_avg_sqs has 4 tensors"),
+             ("float64 grads", [a if i != 1 else [t.double() for t in a] for i, a in enumerate(base())],
+              "grads must be float32, bfloat16 or float16"),
+             ("float16 exp_avg", edit(2, 1, base()[2][1].half()), r"exp_avgs\[1\] has dtype"),
+             ("strided master", edit(0, 2, torch.randn(2 * base()[0][2].numel())[::2]), r"masters\[2\] is not contiguous"),
+             ("coeffs shape", base()[:6] + [torch.zeros(2, 3)], "coeffs must"),
+             ("float32 params16", edit(5, 0, base()[5][0].float()), r"params16"),
+             ]
+    return cases
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0] in ("cpu", "triton")])
+def test_operators_refuse_bad_arguments_before_writing(backend):
+    """``torch.ops.zero_kernels.fused_adam_{cpu,triton}`` refuse the same bad arguments, naming them, before
+    writing anything (the C++ front end for cpu; the triton operator's own checks)."""
+    op = getattr(torch.ops.zero_kernels, f"fused_adam_{backend}")
+    for what, args, msg in _bad_operator_args():
+        before = [[t.clone() for t in lst] for lst in args[:6]]
+        with pytest.raises(RuntimeError, match=msg):
+            op(*args, 0.9, 0.999, 1e-8, 0.1, True, False, None, None)
+        assert all(torch.equal(a, b) for la, lb in zip(args[:6], before) for a, b in zip(la, lb)), what
+    for kw, msg in ((dict(beta1=1.0), "beta1 must be in"), (dict(eps=-1.0), "eps must be >= 0")):
+        h = {**dict(beta1=0.9, beta2=0.999, eps=1e-8), **kw}
+        with pytest.raises(RuntimeError, match=msg):
+            op(*_contract_inputs(2, True, torch.bfloat16), h["beta1"], h["beta2"], h["eps"], 0.1, True, False,
+               None, None)
+
+
 # ----------------------------------------------------------------------------- graphs and breaks
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_step_is_one_graph_without_breaks(backend):

@@ -82,6 +82,47 @@ def test_skip_ext_opt_out_is_explicit():
     assert r.stdout.strip() == "zero_kernels"
 
 
+@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "setup.py")), reason="no source checkout beside the tests")
+@pytest.mark.parametrize("value,skips", [("false", False), ("off", False), ("maybe", None)])
+def test_skip_ext_reads_yes_no_values(value, skips):
+    """ZERO_KERNELS_SKIP_EXT=false skipped the build (anything but "" and "0" counted as on)."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "setup.py"), "--name"], cwd=ROOT,
+                       env=_setup_env(CXX="zk-no-such-compiler", ZERO_KERNELS_SKIP_EXT=value),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0, r.stderr                      # false/off: builds (and needs the compiler)
+    want = "no C++ compiler" if skips is False else "ZERO_KERNELS_SKIP_EXT='maybe' is not a yes/no value"
+    assert want in r.stderr, r.stderr
+
+
+def test_environment_variables_are_checked():
+    """A value the package does not understand raises naming the variable (an unknown ZERO_KERNELS_CPU_ISA left the
+    kernel uncapped while `report` printed the cap; ZK_GLOO_MODE=bogus ran gloo's native collectives)."""
+    from zero_kernels import _env
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZERO_KERNELS_", "ZK_GLOO"))}
+    for var, value, code, msg in [
+            ("ZERO_KERNELS_CPU_ISA", "AVX2", "zk.FusedAdamW([torch.nn.Parameter(torch.ones(3))], backend='cpu')",
+             "ZERO_KERNELS_CPU_ISA='AVX2' is not one of scalar, avx2, avx512"),
+            ("ZERO_KERNELS_CPU_NT", "2", "zk.FusedAdamW([torch.nn.Parameter(torch.ones(3))])",
+             "ZERO_KERNELS_CPU_NT='2' is not one or two 0/1 digits"),
+            ("ZK_GLOO_MODE", "bogus", "import zero_kernels.zero", "ZK_GLOO_MODE='bogus' is not one of p2p, allreduce, native"),
+            ("ZERO_KERNELS_NO_JIT", "n", "zero_kernels._ext.cpu_module()", "ZERO_KERNELS_NO_JIT='n' is not a yes/no"),
+            ("ZERO_KERNELS_CPU_ISA", "avx2", "assert zk.FusedAdamW([torch.nn.Parameter(torch.ones(3))], "
+             "backend='cpu') is not None", None)]:                                  # negative control
+        script = f"import torch, zero_kernels as zk, zero_kernels._ext\n{code}\n"
+        r = subprocess.run([sys.executable, "-c", script], env=dict(env, **{var: value}), capture_output=True,
+                           text=True, timeout=300)
+        if msg is None:
+            assert r.returncode == 0, r.stderr[-2000:]
+        else:
+            assert r.returncode != 0 and msg in r.stderr, (var, value, r.stderr[-2000:])
+    for value, want in (("1", True), ("TRUE", True), (" on ", True), ("", False), ("0", False), ("No", False)):
+        os.environ["ZK_TEST_FLAG"] = value
+        try:
+            assert _env.flag("ZK_TEST_FLAG") is want, value
+        finally:
+            del os.environ["ZK_TEST_FLAG"]
+
+
 @pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, ".ci", "run")), reason="no source checkout beside the tests")
 def test_ci_runs_exactly_the_readme_test_command():
     with open(os.path.join(ROOT, "README.md")) as f:

@@ -560,6 +560,8 @@ def test_parity_world(world):
 def _triton_worker(rank, world):
     assert os.environ.get("TRITON_INTERPRET") == "1"
     from zero_kernels.zero import flat
+    assert not flat.use_triton(torch.empty(1))      # the variable alone changes no path (it made ZeRO-1 crawl)
+    flat.TRITON_ON_CPU = True                       # this test: the flow through the kernels a GPU runs
     assert flat.use_triton(torch.empty(1))
     be = "triton" if backends.why_unavailable("triton", torch.device("cpu")) is None else "reference"
     global STEPS

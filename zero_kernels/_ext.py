@@ -20,7 +20,6 @@ Environment:
 """
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from types import ModuleType
@@ -29,6 +28,7 @@ import torch
 from torch import Tensor
 
 from . import _build
+from ._env import check_cpu_kernel_env, flag
 
 __all__ = ["cpu_module", "load_error", "warn_fallback_once", "fused_adam_cpu", "fused_adam_cuda",
            "fused_adam_coded_cpu", "fused_adam_coded_cuda"]
@@ -38,10 +38,6 @@ _tried = False
 _module: ModuleType | None = None
 _error: str | None = None
 _warned = False
-
-
-def _env_on(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no")
 
 
 def _jit_build() -> ModuleType:
@@ -61,13 +57,13 @@ def _jit_build() -> ModuleType:
         kwargs["extra_cuda_cflags"] = list(_build.NVCC_FLAGS) + ["-DZK_WITH_CUDA=1"]
     cflags = list(_build.CXX_FLAGS) + (["-DZK_WITH_CUDA=1"] if with_cuda else [])
     return load(name=_build.JIT_NAME, sources=sources, extra_cflags=cflags,
-                with_cuda=with_cuda, verbose=_env_on("ZERO_KERNELS_VERBOSE_BUILD"), **kwargs)
+                with_cuda=with_cuda, verbose=flag("ZERO_KERNELS_VERBOSE_BUILD"), **kwargs)
 
 
 def _load() -> None:
     global _tried, _module, _error
     reasons = []
-    if _env_on("ZERO_KERNELS_FORCE_JIT"):
+    if flag("ZERO_KERNELS_FORCE_JIT"):
         reasons.append("the installed zero_kernels._C was skipped (ZERO_KERNELS_FORCE_JIT=1)")
     else:
         try:
@@ -76,7 +72,7 @@ def _load() -> None:
             return
         except Exception as e:  # noqa: BLE001 - missing or broken (ABI mismatch, bad .so, ...)
             reasons.append(f"import zero_kernels._C failed ({type(e).__name__}: {e})")
-    if _env_on("ZERO_KERNELS_NO_JIT"):
+    if flag("ZERO_KERNELS_NO_JIT"):
         reasons.append("the JIT build is disabled (ZERO_KERNELS_NO_JIT=1)")
     else:
         try:
@@ -89,8 +85,10 @@ def _load() -> None:
 
 
 def cpu_module() -> ModuleType | None:
-    """The compiled extension (installed or JIT-built), or None when neither works. Cached."""
+    """The compiled extension (installed or JIT-built), or None when neither works. Cached. Raises
+    ValueError, every call, while a variable the kernel reads itself is not understood (``_env``)."""
     global _tried
+    check_cpu_kernel_env()
     if not _tried:
         with _lock:
             if not _tried:

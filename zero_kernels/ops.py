@@ -92,17 +92,78 @@ _register_cxx("fused_adam_cpu", _ext.fused_adam_cpu, "cpu")
 _register_cxx("fused_adam_cuda", _ext.fused_adam_cuda, "cuda")
 
 
+def _check_triton_args(masters: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                       exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], params16: list[Tensor],
+                       coeffs: Tensor, beta1: float, beta2: float, eps: float, grad_scale: Optional[Tensor],
+                       found_inf: Optional[Tensor]) -> None:
+    """The triton operator's argument checks: the C++ front end's (``check_fused_adam_args`` in
+    csrc/adam_front.cpp, which the cpu / cuda operators run), for the one operator with no C++ in front
+    of its kernel. Without them a short gradient was read past its end and a missing one skipped."""
+    fn = "fused_adam_triton"
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise RuntimeError(f"{fn}: {msg}")
+
+    need(0.0 <= beta1 < 1.0, f"beta1 must be in [0, 1), got {beta1}")
+    need(0.0 <= beta2 < 1.0, f"beta2 must be in [0, 1), got {beta2}")
+    need(eps >= 0.0, f"eps must be >= 0, got {eps}")
+    T = len(masters)
+    need(coeffs.dtype == torch.float32 and coeffs.dim() == 2 and tuple(coeffs.shape) == (T, 3)
+         and coeffs.is_contiguous(), f"coeffs must be a contiguous float32 [T, 3] = [{T}, 3] tensor, got "
+         f"{coeffs.dtype} {list(coeffs.shape)}")
+    if T == 0:
+        need(not (grads or exp_avgs or exp_avg_sqs or max_exp_avg_sqs or params16),
+             "masters is empty but the other lists are not")
+        return
+    dev0 = masters[0].device
+    need(coeffs.device == dev0, f"coeffs is on {coeffs.device} but the tensors are on {dev0}")
+    lists = [("masters", masters), ("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)]
+    lists += [(w, ts) for w, ts in (("max_exp_avg_sqs", max_exp_avg_sqs), ("params16", params16)) if ts]
+    for what, ts in lists:
+        need(len(ts) == T, f"{what} has {len(ts)} tensors but masters has {T} (one per parameter)")
+        for i, t in enumerate(ts):
+            need(t.device == dev0, f"{what}[{i}] is on {t.device} but masters[0] is on {dev0}; all tensors "
+                 "must be on one device")
+            need(t.is_contiguous(), f"{what}[{i}] is not contiguous (strides {list(t.stride())}); pass contiguous "
+                 "tensors (e.g. .contiguous(), then copy the result back)")
+            need(t.numel() == masters[i].numel(), f"{what}[{i}] has {t.numel()} elements but masters[{i}] has "
+                 f"{masters[i].numel()}")
+    allowed = {"grads": (torch.float32, torch.bfloat16, torch.float16), "params16": (torch.bfloat16, torch.float16)}
+    for what, ts in lists:
+        want = ts[0].dtype if what in allowed else torch.float32
+        names = [str(d).replace("torch.", "") for d in allowed.get(what, (torch.float32,))]
+        need(want in allowed.get(what, (torch.float32,)),
+             f"{what} must be {', '.join(names[:-1])}{' or ' if len(names) > 1 else ''}{names[-1]}, got {want}")
+        for i, t in enumerate(ts):
+            need(t.dtype == want, f"{what}[{i}] has dtype {t.dtype}; expected {want}")
+    for what, t in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+        if t is not None:
+            need(t.numel() == 1 and t.dtype == torch.float32 and t.device == dev0,
+                 f"{what} must be a 1-element float32 tensor on {dev0}, got {t.dtype} {list(t.shape)} on {t.device}")
+
+
 def _register_triton() -> None:
     try:
         from .kernels.adam import fused_adam_per_tensor
     except ImportError:   # triton not installed: the backend is unavailable (backends.why_unavailable)
         return
+
+    def fused_adam_triton(masters: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                          exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], params16: list[Tensor],
+                          coeffs: Tensor, beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool,
+                          maximize: bool, grad_scale: Optional[Tensor] = None,
+                          found_inf: Optional[Tensor] = None) -> None:
+        _check_triton_args(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, params16, coeffs, beta1, beta2,
+                           eps, grad_scale, found_inf)
+        fused_adam_per_tensor(masters, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, params16, coeffs, beta1,
+                              beta2, eps, weight_decay, adamw, maximize, grad_scale, found_inf)
+
     if triton_interpret():   # [Note: the traced triton op]
-        op = torch.library.custom_op("zero_kernels::fused_adam_triton", fused_adam_per_tensor,
-                                     mutates_args=MUTATED)
+        op = torch.library.custom_op("zero_kernels::fused_adam_triton", fused_adam_triton, mutates_args=MUTATED)
         op.register_fake(_fake)
     else:
-        torch.library.triton_op("zero_kernels::fused_adam_triton", fused_adam_per_tensor, mutates_args=MUTATED)
+        torch.library.triton_op("zero_kernels::fused_adam_triton", fused_adam_triton, mutates_args=MUTATED)
 
 
 _register_triton()

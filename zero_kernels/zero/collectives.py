@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import time
 import zlib
 from typing import Any, NamedTuple
@@ -46,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._env import choice
 from .timeouts import CollectiveTimeoutError, current_timeout, timeout_scope, wait_work
 from .wire import record_collective, record_sends
 
@@ -56,7 +56,7 @@ __all__ = ["ReduceScatterResult", "AllGatherResult", "broadcast_from_first", "re
 
 TRACE: list | None = None
 # "p2p" | "allreduce" | "native" (see [Note: gloo collectives]); env ZK_GLOO_MODE sets the default
-GLOO_MODE = os.environ.get("ZK_GLOO_MODE", "p2p")
+GLOO_MODE = choice("ZK_GLOO_MODE", ("p2p", "allreduce", "native"), "p2p")
 
 # Newer torch names the single-tensor collectives *_single; older only has *_tensor / *_into_tensor.
 _rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
