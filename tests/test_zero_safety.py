@@ -316,7 +316,10 @@ BAD_CTOR = [   # (stage, kwargs, exception, message) -- each raises before the m
      r"Invalid learning rate: nan in param_groups\[0\]"),
     (2, dict(param_groups=[{"params": ["gate"], "lr": 0.1}]), ValueError, "in no param group"),
     (2, dict(param_groups=[{"params": ["gate"], "foo": 1}]), ValueError, "unknown keys"),
-    (2, dict(bogus=1), TypeError, "bogus"),
+    (2, dict(bogus=1), TypeError, r"unexpected keyword argument\(s\) 'bogus'; its options are"),
+    (2, dict(exp_avg_dtype=torch.uint8, min_8bit_size=0), TypeError, "ZeroAdamW has no min_8bit_size"),
+    (2, dict(prefetch=2), ValueError, r"prefetch= configure stage 3's parameter gathers; stage 2"),
+    (1, dict(gather_cache=False, wrap=[nn.Linear]), ValueError, "wrap=, gather_cache= configure stage 3"),
 ]
 
 

@@ -13,7 +13,7 @@ leaves the model bit-identical and hook-free.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from .timeouts import as_timedelta
 __all__ = ["ZeroConfig"]
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_STAGE3_ONLY = ("prefetch", "reshard_after_forward", "wrap", "gather_cache")
 
 
 def _check_bool(name: str, v: Any) -> None:
@@ -99,6 +100,31 @@ class ZeroConfig:
                              "param_dtype=torch.bfloat16 (or drop store_param_remainders)")
         object.__setattr__(self, "timeout", as_timedelta(self.timeout))
         _check_wrap(self.wrap)
+
+    @classmethod
+    def from_options(cls, stage: Any, options: dict[str, Any]) -> "ZeroConfig":
+        """The config of ``ZeroAdamW(model, stage=stage, **options)``: an unknown option raises TypeError
+        naming it (not the dataclass's), an option of stage 3's gathers set at stage 1 or 2 ValueError."""
+        known = {f.name for f in fields(cls)} - {"stage"}
+        unknown = sorted(set(options) - known)
+        if "min_8bit_size" in unknown:
+            raise TypeError("ZeroAdamW has no min_8bit_size: it codes whole bucket slices in 256-element blocks "
+                            "that never straddle a rank's shard, so every parameter takes exp_avg_dtype / "
+                            "exp_avg_sq_dtype (FusedAdam/FusedAdamW keep tensors below min_8bit_size in fp32); "
+                            "drop the argument")
+        if unknown:
+            raise TypeError(f"ZeroAdamW got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; its "
+                            f"options are {', '.join(sorted(known))} (and lr, betas, eps, weight_decay, amsgrad, "
+                            "maximize, param_groups, process_group, mesh)")
+        cfg = cls(stage=stage, **options)
+        if cfg.stage != 3:
+            defaults = cls()
+            set3 = [k for k in _STAGE3_ONLY if k in options and getattr(cfg, k) != getattr(defaults, k)]
+            if set3:
+                raise ValueError(f"{', '.join(k + '=' for k in set3)} configure stage 3's parameter gathers; "
+                                 f"stage {cfg.stage} keeps whole parameters on every rank, so they would do "
+                                 "nothing: drop them, or use stage=3")
+        return cfg
 
     @property
     def state_format(self) -> StateFormat:

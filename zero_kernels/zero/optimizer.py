@@ -61,7 +61,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             raise TypeError(f"{type(self).__name__} takes the module itself (it needs parameter names "
                             f"and gradient hooks), got {type(model).__name__}: pass `model`, not "
                             "`model.parameters()`; per-group settings go in param_groups=[...]")
-        cfg = ZeroConfig(stage=stage, **options)
+        cfg = ZeroConfig.from_options(stage, options)
         zmesh = resolve_mesh(mesh, process_group)._replace(quantize_grads=cfg.quantize_grads)  # mesh.py
         process_group = zmesh.shard_group
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (list, tuple)) else betas, eps=eps,
