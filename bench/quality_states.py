@@ -240,6 +240,11 @@ def main(argv=None) -> None:
     ap.add_argument("--tiny", action="store_true", help="the short version: TINY's model and vocabulary "
                     "(tests/test_quality_states.py)")
     args = ap.parse_args(argv)
+    for name in ("steps", "batch", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not args.lr > 0:
+        ap.error(f"--lr must be > 0, got {args.lr}")
     args.cfg = TINY if args.tiny else GPTConfig()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -273,6 +278,9 @@ def main(argv=None) -> None:
     print("\nTargets (issue 11.6):")
     for line, ok in verdicts:
         print(f"  {'MET   ' if ok else 'MISSED'} {line}")
+    if args.check and not verdicts:
+        print("  no target was evaluated (--only selected none of the rows held to targets): --check fails")
+        raise SystemExit(1)
     if args.check and not all(ok for _, ok in verdicts):
         raise SystemExit(1)
     return results

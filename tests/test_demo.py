@@ -22,3 +22,11 @@ def test_demo_table_all_stages_match_reference(tmp_path):
     assert img.shape[0] > 300 and img.shape[1] > 600
     assert img[..., :3].std() > 0.05        # not a blank canvas
     assert f"wrote {png}" in r.stdout
+
+
+def test_demo_refuses_a_bad_plot_path_before_training(tmp_path):
+    """--plot into a missing folder or with a non-image name failed with a PIL traceback after the whole run."""
+    for bad, msg in ((tmp_path / "no" / "demo.png", "does not exist"), (tmp_path / "demo.txt", "image file name")):
+        r = subprocess.run([sys.executable, "-m", "zero_kernels.demo", "--plot", str(bad)], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2 and msg in r.stderr and "reference:" not in r.stdout, (r.stdout, r.stderr)

@@ -51,6 +51,20 @@ def test_quality_check_catches_a_miss(monkeypatch):
     assert any(ok for line, ok in verdicts.items() if "remainders: 1.0025" in line)
 
 
+def test_quality_check_is_never_vacuous(capsys, monkeypatch):
+    """--check passed with --steps 0 (every row the untrained loss: all targets "MET") and with --only matching no
+    target row (nothing checked): both are refused now."""
+    q = _load("quality_states", monkeypatch)
+    for bad in (["--steps", "0"], ["--batch", "0"], ["--lr", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            q.main(["--tiny", "--check", *bad])
+        assert e.value.code == 2, bad                                   # argparse's usage error
+        assert "must be" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        q.main(["--tiny", "--steps", "1", "--batch", "2", "--check", "--only", "nomatch"])
+    assert e.value.code == 1 and "no target was evaluated" in capsys.readouterr().out
+
+
 def test_bench_states_small_mode(capsys, monkeypatch):
     """The benchmark's small mode runs every selected row; the zk rows run on the product backend ('cpu',
     the C++ kernels of fp32 and coded states)."""

@@ -314,8 +314,10 @@ def _read_checked(vdir: str, name: str, marker: dict, verify: bool) -> bytes:
     with open(path, "rb") as f:
         data = f.read()
     if verify and hashlib.sha256(data).hexdigest() != marker["files"][name]["sha256"]:
+        hint = ("metadata.json is always checked: it cannot be read past this" if name == "metadata.json" else
+                "load with verify=False only to inspect a damaged checkpoint")
         raise CheckpointError(f"checkpoint file {path} does not match its sha256 in {vdir}/COMPLETE (corrupt "
-                              "or edited); load with verify=False only to inspect a damaged checkpoint")
+                              f"or edited); {hint}")
     return data
 
 

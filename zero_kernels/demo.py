@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib.util
 import math
 import os
 import socket
@@ -31,6 +32,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .plan_chart import plot_path_problem
 
 TEXT = """ZeRO removes the memory redundancies across data-parallel processes by partitioning the
 model states (parameters, gradients and optimizer state) instead of replicating them. Each rank
@@ -207,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--nproc must be >= 1")
     if a.steps < 1:
         ap.error("--steps must be >= 1")
+    if a.plot and importlib.util.find_spec("matplotlib") is not None:   # without it: a note at the end
+        why = plot_path_problem(a.plot)
+        if why is not None:
+            ap.error(f"--plot {a.plot}: {why}")
     t_start = time.perf_counter()
     _, vocab = corpus()
     psi = sum(p.numel() for p in new_model(vocab).parameters())

@@ -24,7 +24,7 @@ from typing import Sequence
 
 from . import memory as M
 from . import simulate as S
-from .plan_chart import capacity, capacity_series, fmt_params, nbytes_of, plot_memory
+from .plan_chart import capacity, capacity_series, fmt_params, nbytes_of, plot_memory, plot_path_problem
 
 __all__ = ["main", "build_parser", "capacity_series", "MODEL_PRESETS"]
 
@@ -181,17 +181,9 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
         err(f"{'--checkpointing' if args.checkpointing else '--attn-scores'} only affects "
             "activations: add --batch (and --seq/--hidden/--layers or a --model preset)")
     if args.plot:
-        d = os.path.dirname(os.path.abspath(args.plot))
-        if not os.path.isdir(d):
-            err(f"--plot {args.plot}: directory {d} does not exist")
-        try:
-            from matplotlib.backend_bases import FigureCanvasBase
-        except ImportError:
-            err(f"--plot {args.plot}: drawing needs matplotlib, which is not installed: "
-                "pip install 'zero_kernels[plot]' (or pip install matplotlib), or leave out --plot")
-        ext = os.path.splitext(args.plot)[1].lstrip(".").lower()
-        if ext not in FigureCanvasBase.get_supported_filetypes():
-            err(f"--plot {args.plot}: use an image file name ending in .png (or .svg, .pdf)")
+        why = plot_path_problem(args.plot)
+        if why is not None:
+            err(f"--plot {args.plot}: {why}")
     if args.simulate:
         if args.tp * args.pp != 1:
             err("--simulate models data parallelism only: leave --tp and --pp at 1")

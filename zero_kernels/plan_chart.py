@@ -2,9 +2,27 @@
 memory chart of ``python -m zero_kernels.plan --plot`` (capacity against GPUs, per-category bars)."""
 from __future__ import annotations
 
+import os
+
 from . import memory as M
 
-__all__ = ["fmt_params", "nbytes_of", "capacity", "capacity_series", "plot_memory"]
+__all__ = ["fmt_params", "nbytes_of", "capacity", "capacity_series", "plot_memory", "plot_path_problem"]
+
+
+def plot_path_problem(path: str) -> str | None:
+    """Why a chart cannot be written to ``path`` (checked before any work: the planner's and the demo's
+    ``--plot``), or None: its folder must exist, matplotlib be installed, the extension an image format."""
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d):
+        return f"directory {d} does not exist"
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return ("drawing needs matplotlib, which is not installed: pip install 'zero_kernels[plot]' (or pip install "
+                "matplotlib), or leave out --plot")
+    if os.path.splitext(path)[1].lstrip(".").lower() not in FigureCanvasBase.get_supported_filetypes():
+        return "use an image file name ending in .png (or .svg, .pdf)"
+    return None
 
 
 def fmt_params(n: float) -> str:
