@@ -242,6 +242,11 @@ def main() -> int:
     ap.add_argument("--out", default="/tmp/zk_bench_hybrid.pt")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    unknown = [v for v in args.variants.split(",") if v and v not in VARIANTS]
+    if unknown:                                     # an unknown name ran as ZeRO-3
+        ap.error(f"--variants: {', '.join(unknown)} not among {', '.join(VARIANTS)}")
+    if args.width < 1 or args.batch < 1:
+        ap.error("--width and --batch must be >= 1")
     if args.worker:
         worker(args)
         return 0

@@ -163,7 +163,17 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--no-rss", action="store_true")
     a = ap.parse_args()
+    for name in ("rounds", "batch"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name} must be >= 1")
+    if a.warmup < 0:
+        ap.error("--warmup must be >= 0")
     variants = a.variants.split(",")
+    for v in variants:                              # name[:gloo mode]; an unknown name ran as ZeRO-2
+        base, _, mode = v.partition(":")
+        if base.split("+")[0] not in VARIANTS or mode not in ("", "p2p", "allreduce", "native"):
+            ap.error(f"--variants: {v!r} is not NAME[:MODE] with NAME one of {', '.join(VARIANTS)} and MODE one "
+                     "of p2p, allreduce, native")
     load0 = loadavg()
     res = _spawn(timing_worker, (variants, a.rounds, a.warmup, a.batch))
     load1 = loadavg()
