@@ -381,3 +381,26 @@ def test_stage1_unscale_after_clip_is_refused():
     assert n0 == pytest.approx(n1, rel=1e-6) and n0 > MAX_NORM
     for k in p0:
         torch.testing.assert_close(p0[k], p1[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_clipping_twice_returns_what_torch_returns(stage):
+    """A second clip_grad_norm_ before step() returned the unclipped norm again (torch: the norm of the clipped
+    gradients); the parameters matched either way. One process (no process group)."""
+    torch.manual_seed(0)
+    model, ref = make_model(), make_model()
+    ref.load_state_dict(model.state_dict())
+    zopt = _zopt(stage, model)
+    topt = torch.optim.AdamW(ref.parameters(), **HP)
+    idx, tgt = batch(0, 1)
+    loss_fn(model, idx, tgt).backward()
+    loss_fn(ref, idx, tgt).backward()
+    for max_norm in (0.05, 0.01, 1e9):
+        ours = zopt.clip_grad_norm_(max_norm)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-7)
+    zopt.step()
+    topt.step()
+    with zopt.gathered():
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)

@@ -732,6 +732,49 @@ def test_stage3_forward_gather_honours_timeout_world2():
     run_world(_stage3_forward_stall, 2, timeout=120, collective_timeout=60)
 
 
+def _options_differ(rank, world):
+    """Options every rank must share, set differently on one rank: each raised on neither rank before (a loss
+    scale differing by rank unscaled each rank's slice by its own: 3.5e-3 off torch in 4 steps; a timeout on one
+    rank only failed as "a rank died"; wrap / reshard_after_forward hung in the first gather)."""
+    import datetime
+    cases = [(dict(loss_scale=1024.0 * (1 + 3 * rank)), "loss_scale=4096.0 but rank 0 with loss_scale=1024.0"),
+             (dict(loss_scale=1024.0 if rank == 0 else None), "loss_scale=None but rank 0 with loss_scale=1024.0"),
+             (dict(loss_scale="dynamic", growth_interval=1 + 2 * rank), "growth_interval=3 but rank 0 with"),
+             (dict(timeout=30 if rank == 0 else None), "timeout set=False but rank 0 with timeout set=True"),
+             (dict(stage=3, reshard_after_forward=rank == 0), "reshard_after_forward=False"),
+             (dict(stage=3, wrap=[nn.Linear] if rank else None), "rank 1 constructs the optimizer with wrap=")]
+    for kw, msg in cases:
+        model = make_model()
+        kw = {"stage": 2, **kw}
+        with pytest.raises(ValueError, match=msg if rank == 1 else "rank 1 constructs the optimizer with"):
+            zk.ZeroAdamW(model, backend="reference", **kw)
+    zk.ZeroAdamW(make_model(), stage=2, backend="reference", loss_scale=1024.0, timeout=30)   # control: the same
+    with pytest.raises(ValueError, match="positive datetime.timedelta"):
+        zk.ZeroAdamW(make_model(), stage=2, backend="reference", timeout=datetime.timedelta(0))
+    # gathered() and refresh_params() wait for a peer that never comes no longer than timeout= (group's: 60 s)
+    for what in ("gathered", "refresh_params"):
+        g = dist.new_group([0, 1])
+        model = make_model()
+        opt = zk.ZeroAdamW(model, stage=3 if what == "gathered" else 2, process_group=g, timeout=3,
+                           backend="reference")
+        if rank == 0:
+            t0 = time.monotonic()
+            with pytest.raises(CollectiveTimeoutError, match="did not complete on rank 0"):
+                if what == "gathered":
+                    with opt.gathered():
+                        pass
+                else:
+                    opt.refresh_params()
+            assert time.monotonic() - t0 < 30, time.monotonic() - t0
+        else:
+            time.sleep(5)
+        dist.barrier()
+
+
+def test_options_every_rank_must_share_world2():
+    run_world(_options_differ, 2, timeout=240, collective_timeout=60)
+
+
 def _unfreeze_case(rank, world, out):
     def make():
         torch.manual_seed(0)

@@ -11,7 +11,7 @@ from torch import nn
 from .. import backends, optim_coded
 from ..layout import Layout, ParamInfo, build_layout, dtype_name
 from . import collectives as C
-from .agreement import check_same_everywhere, join_barrier, signature
+from .agreement import check_same_everywhere, join_barrier, raise_if_failed, signature
 from .coded import format_error
 from .config import ZeroConfig
 from .mesh import ZeroMesh, broadcast_from_first
@@ -61,9 +61,10 @@ def plan(model: nn.Module, cfg: ZeroConfig, defaults: dict, param_groups, mesh: 
     hp = [[plain({**defaults, **g}[k]) for k in HPARAM_KEYS] for g in groups]
     sig = signature(mp.uniq, groups, mp.first_name, cfg.agreement_key(), hp, error)
     for g in mesh.groups:           # shard group, then replicate group: every rank of the mesh
-        if cfg.timeout is not None and C.group_size(g) > 1:
+        if C.group_size(g) > 1:     # also without timeout=: a rank with it must not wait alone in its barrier
             join_barrier(g, cfg.timeout, C.group_size(g))
-        check_same_everywhere(sig, g, C.group_size(g), C.group_rank(g))
+        sig = check_same_everywhere(sig, g, C.group_size(g), C.group_rank(g))
+    raise_if_failed(sig)
     assigned = strategy_cls.assign_units(model, mp.trainable, cfg.wrap)     # [Note: stage-3 units]
     units, unit_of = assigned if assigned is not None else (None, None)
     infos = [ParamInfo(n, tuple(p.shape), dtype_name(cfg.param_dtype or p.dtype), group_of[id(p)],

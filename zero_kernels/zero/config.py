@@ -138,11 +138,31 @@ class ZeroConfig:
         blockwise = {self.exp_avg_dtype, self.exp_avg_sq_dtype} & set(BLOCKWISE)
         return max(self.alignment_bytes, BLOCK * 4) if blockwise else self.alignment_bytes
 
-    def agreement_key(self) -> tuple:
-        """What every rank must agree on (plain data for the cross-rank signature)."""
-        key = (self.stage, self.bucket_size, str(self.param_dtype), str(self.reduce_dtype), self.alignment_bytes,
-               str(self.exp_avg_dtype), str(self.exp_avg_sq_dtype), self.store_param_remainders)
-        return key + tuple(k for k in ("quantize_weights", "quantize_grads") if getattr(self, k))
+    def agreement_key(self) -> dict[str, Any]:
+        """What every rank must agree on, by option name (plain data for the cross-rank signature): what decides
+        the layout, the collectives' order and the numbers (a loss scale differing by rank unscaled each rank's
+        slice by its own scale, silently). ``timeout``: whether it is set (ranks without it skip the join
+        barrier). Not compared: prefetch, overlap_comm, overlap_param_gather, backend, gather_cache (same
+        numbers and collectives either way) and the value of a callable ``wrap``."""
+        scale = self.loss_scale
+        return {"stage": self.stage, "bucket_size": self.bucket_size, "param_dtype": str(self.param_dtype),
+                "reduce_dtype": str(self.reduce_dtype), "alignment_bytes": self.alignment_bytes,
+                "exp_avg_dtype": str(self.exp_avg_dtype), "exp_avg_sq_dtype": str(self.exp_avg_sq_dtype),
+                "store_param_remainders": self.store_param_remainders, "quantize_weights": self.quantize_weights,
+                "quantize_grads": self.quantize_grads,
+                "loss_scale": scale if scale is None or isinstance(scale, (str, int, float)) else type(scale).__name__,
+                "growth_interval": self.growth_interval if scale == "dynamic" else None,
+                "reshard_after_forward": self.reshard_after_forward if self.stage == 3 else None,
+                "wrap": _wrap_key(self.wrap) if self.stage == 3 else None,
+                "timeout set": self.timeout is not None}
+
+
+def _wrap_key(wrap) -> Any:
+    if wrap is None:
+        return None
+    if callable(wrap) and not isinstance(wrap, (list, tuple, set)):
+        return "a callable"
+    return sorted(f"{c.__module__}.{c.__qualname__}" for c in wrap)
 
 
 def _check_wrap(wrap) -> None:

@@ -102,6 +102,9 @@ def resolve_mesh(mesh, process_group) -> ZeroMesh:
                          "replication groups itself; process_group= is the 1-D form")
     if not isinstance(mesh, dist.device_mesh.DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not in the mesh {mesh.mesh.tolist()}: "
+                         "construct the optimizer only on the ranks of its mesh")
     if mesh.ndim == 1:
         return ZeroMesh(mesh.get_group(), None)
     names = tuple(mesh.mesh_dim_names or ())

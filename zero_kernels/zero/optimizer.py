@@ -23,7 +23,7 @@ from .state_dict import (agree_to_load, apply_shard, check_shard, full_model_sta
                          shard_state_dict)
 from .step import global_norm, step_bucket
 from .strategy import Stage1, Stage2, StrategyContext
-from .timeouts import bounded_by_timeout
+from .timeouts import bounded_by_timeout, timeout_scope
 from .unit_bucket import empty_gather_cache
 from .wire import WireMeter
 
@@ -132,14 +132,17 @@ class ZeroAdamW(torch.optim.Optimizer):
         its backward included) and ``total`` (since construction) ([Note: bytes on the wire])."""
         return self.wire.report()
 
-    def gathered(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def gathered(self):
         """Collective: every parameter full-size inside the block (stage 3 gathers all units and frees
         them after, as FSDP's ``summon_full_params(writeback=True)``: parameters written inside, on every
         rank the same values, become each rank's slice when the block ends; [Note: writes to stage-3
         parameters] in unit_bucket.py). Stages 1-2 hold full parameters anyway (in-flight all-gathers are
         waited for; writes are adopted by the next step; with quantize_weights the other ranks' slices are
-        int8-quantized copies: ``sync_exact_params()``)."""
-        return self.strategy.gathered()
+        int8-quantized copies: ``sync_exact_params()``). Its gathers and write-backs are bounded by
+        ``timeout=`` (as is the block's body)."""
+        with timeout_scope(self.timeout, self.process_group), self.strategy.gathered():
+            yield
 
     @bounded_by_timeout
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -172,7 +175,10 @@ class ZeroAdamW(torch.optim.Optimizer):
         ls = self.scaling.current_scale()
         if ls is not None:              # the slices hold loss-scaled gradients
             total = total / ls
-        self._clip_coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        if self._clip_coef is not None:     # clipped before this step: torch would see the clipped gradients
+            total = total * self._clip_coef
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef
         return total
 
     def wait_for_params(self) -> None:
@@ -287,6 +293,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         for b in self.buckets:
             b.adopt_edits(force=True)
 
+    @bounded_by_timeout
     def refresh_params(self) -> None:
         """Collective: make the working parameters reflect the masters/shards after they were
         written (stages 1-2 all-gather, int8 codes with quantize_weights; stage 3 drops gathered

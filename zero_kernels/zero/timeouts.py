@@ -34,7 +34,12 @@ class CollectiveTimeoutError(RuntimeError):
 
 def as_timedelta(timeout) -> datetime.timedelta | None:
     """None, a timedelta, or seconds (a positive finite number) as a timedelta."""
-    if timeout is None or isinstance(timeout, datetime.timedelta):
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        if timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout must be None, a positive datetime.timedelta or a positive number of seconds, "
+                             f"got {timeout!r}")
         return timeout
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
         raise ValueError(f"timeout must be None, a datetime.timedelta or a positive number of seconds, "
