@@ -169,6 +169,11 @@ def _api_cases(rank, world):
     with pytest.raises(TypeError, match="DeviceMesh"):
         zk.ZeroAdamW(m, mesh=mesh.get_group("shard"))
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())     # nothing changed
+    # one rank of row 1 differs: every row raises at once, naming global ranks 2 and 3 (row 0 used to time out,
+    # and rows named shard-group ranks)
+    with pytest.raises(ValueError, match=r"lr=0\.002 but rank 2 with lr=0\.001|hyper-parameters differ between "
+                                         r"rank 2 and rank 3"):
+        zk.ZeroAdamW(Odd(), mesh=mesh, lr=2e-3 if rank == 3 else 1e-3, timeout=60)
     # a 1-D mesh is process_group=mesh.get_group(): bit-identical training
     mesh1 = init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))
     a, _ = hybrid_run(dict(stage=2, bucket_size=64), mesh=mesh1)
