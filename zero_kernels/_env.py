@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["flag", "choice", "check_cpu_kernel_env"]
+__all__ = ["flag", "choice", "check_extension_env"]
 
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
@@ -37,9 +37,13 @@ def choice(name: str, allowed: tuple[str, ...], default: str | None) -> str | No
     return raw
 
 
-def check_cpu_kernel_env() -> None:
-    """The variables the C++ CPU kernel reads itself (csrc/cpu_adam.cpp), checked before it is loaded:
-    ZERO_KERNELS_CPU_ISA caps the SIMD path; ZERO_KERNELS_CPU_NT is two 0/1 digits (nt16, nt32)."""
+def check_extension_env() -> None:
+    """The extension's variables, checked at every use whether or not the path reading them runs: the
+    loader's yes/no switches (ZERO_KERNELS_FORCE_JIT, _NO_JIT, _VERBOSE_BUILD) and those the C++ CPU kernel
+    reads itself (csrc/cpu_adam.cpp): ZERO_KERNELS_CPU_ISA caps the SIMD path; ZERO_KERNELS_CPU_NT is two 0/1
+    digits (nt16, nt32)."""
+    for name in ("ZERO_KERNELS_FORCE_JIT", "ZERO_KERNELS_NO_JIT", "ZERO_KERNELS_VERBOSE_BUILD"):
+        flag(name)
     choice("ZERO_KERNELS_CPU_ISA", ("scalar", "avx2", "avx512"), None)
     raw = os.environ.get("ZERO_KERNELS_CPU_NT", "")
     if raw != "" and not re.fullmatch(r"[01]{1,2}", raw):

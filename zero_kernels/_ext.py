@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import _build
-from ._env import check_cpu_kernel_env, flag
+from ._env import check_extension_env, flag
 
 __all__ = ["cpu_module", "load_error", "warn_fallback_once", "fused_adam_cpu", "fused_adam_cuda",
            "fused_adam_coded_cpu", "fused_adam_coded_cuda"]
@@ -88,7 +88,7 @@ def cpu_module() -> ModuleType | None:
     """The compiled extension (installed or JIT-built), or None when neither works. Cached. Raises
     ValueError, every call, while a variable the kernel reads itself is not understood (``_env``)."""
     global _tried
-    check_cpu_kernel_env()
+    check_extension_env()
     if not _tried:
         with _lock:
             if not _tried:
