@@ -138,14 +138,16 @@ def _bad_operator_args():
         return a
 
     n0 = base()[0][0].numel()
-    cases = [("short grad", edit(1, 0, torch.randn(n0 - 1).bfloat16()), r"grads\[0\] has \d+ elements but masters\[0\] has"),
+    cases = [("short grad", edit(1, 0, torch.randn(n0 - 1).bfloat16()),
+              r"grads\[0\] has \d+ elements but masters\[0\] has"),
              ("long grad", edit(1, 0, torch.randn(n0 + 2).bfloat16()), r"grads\[0\] has \d+ elements"),
              ("missing grad", drop(1), "grads has 4 tensors but masters has 5"),
              ("missing exp_avg_sq", drop(3), "exp_avg_sqs has 4 tensors"),
              ("float64 grads", [a if i != 1 else [t.double() for t in a] for i, a in enumerate(base())],
               "grads must be float32, bfloat16 or float16"),
              ("float16 exp_avg", edit(2, 1, base()[2][1].half()), r"exp_avgs\[1\] has dtype"),
-             ("strided master", edit(0, 2, torch.randn(2 * base()[0][2].numel())[::2]), r"masters\[2\] is not contiguous"),
+             ("strided master", edit(0, 2, torch.randn(2 * base()[0][2].numel())[::2]),
+              r"masters\[2\] is not contiguous"),
              ("coeffs shape", base()[:6] + [torch.zeros(2, 3)], "coeffs must"),
              ("float32 params16", edit(5, 0, base()[5][0].float()), r"params16"),
              ]

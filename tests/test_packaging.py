@@ -104,7 +104,8 @@ def test_environment_variables_are_checked():
              "ZERO_KERNELS_CPU_ISA='AVX2' is not one of scalar, avx2, avx512"),
             ("ZERO_KERNELS_CPU_NT", "2", "zk.FusedAdamW([torch.nn.Parameter(torch.ones(3))])",
              "ZERO_KERNELS_CPU_NT='2' is not one or two 0/1 digits"),
-            ("ZK_GLOO_MODE", "bogus", "import zero_kernels.zero", "ZK_GLOO_MODE='bogus' is not one of p2p, allreduce, native"),
+            ("ZK_GLOO_MODE", "bogus", "import zero_kernels.zero",
+             "ZK_GLOO_MODE='bogus' is not one of p2p, allreduce, native"),
             ("ZERO_KERNELS_NO_JIT", "n", "zero_kernels._ext.cpu_module()", "ZERO_KERNELS_NO_JIT='n' is not a yes/no"),
             ("ZERO_KERNELS_CPU_ISA", "avx2", "assert zk.FusedAdamW([torch.nn.Parameter(torch.ones(3))], "
              "backend='cpu') is not None", None)]:                                  # negative control

@@ -89,8 +89,8 @@ from .state_keys import keyed_state
 from .zero import collectives as C
 from .zero.mesh import fingerprint, same_everywhere
 
-__all__ = ["save_checkpoint", "load_checkpoint", "check_keep", "consolidate", "inspect", "main", "resolve", "read_metadata",
-           "CheckpointError", "FORMAT", "FORMAT_VERSION"]
+__all__ = ["save_checkpoint", "load_checkpoint", "check_keep", "consolidate", "inspect", "main", "resolve",
+           "read_metadata", "CheckpointError", "FORMAT", "FORMAT_VERSION"]
 
 # Test hook: called as _FAULT(rank, file_name) after each file this process writes (raise to
 # simulate a crash in the writer).

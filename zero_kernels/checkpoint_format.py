@@ -49,7 +49,8 @@ from .state_keys import canonical_names
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "OWNER_FILE", "CheckpointError", "shard_name", "safe_join", "versions",
            "check_state_codes",
-           "check_root", "new_version", "prune", "lineage_of", "foreign_versions", "resolve", "read_metadata", "validate_layout", "load_small",
+           "check_root", "new_version", "prune", "lineage_of", "foreign_versions", "resolve", "read_metadata",
+           "validate_layout", "load_small",
            "check_numels", "Shards", "sha256_file", "fsync_dir", "json_bytes", "atomic_write", "saved_layout",
            "canonical", "param_names"]
 

@@ -39,7 +39,9 @@ def check_same_everywhere(sig: dict, group, world: int, rank: int) -> dict:
     errs = [(r, s["error"]) for r, s in enumerate(sigs) if s["error"]]
     if errs:
         r, e = errs[0]
-        return sig if r == rank else {**sig, "error": f"rank {_global(group, r)} failed to construct the optimizer: {e}"}
+        if r == rank:
+            return sig
+        return {**sig, "error": f"rank {_global(group, r)} failed to construct the optimizer: {e}"}
     ref = sigs[0]
     for r, s in enumerate(sigs[1:], start=1):
         if s != ref:
@@ -59,7 +61,8 @@ def _global(group, r: int) -> int:
 
 def _difference(ref: dict, s: dict, r0: int, r: int) -> str:
     if s["config"] != ref["config"]:
-        diff = {k: (ref["config"][k], s["config"].get(k)) for k in ref["config"] if ref["config"][k] != s["config"].get(k)}
+        mine, theirs = ref["config"], s["config"]
+        diff = {k: (mine[k], theirs.get(k)) for k in mine if mine[k] != theirs.get(k)}
         return "; ".join(f"rank {r} constructs the optimizer with {k}={b!r} but rank {r0} with {k}={a!r}"
                          for k, (a, b) in diff.items()) + ": every rank must pass the same options"
     a, b = ref["params"], s["params"]

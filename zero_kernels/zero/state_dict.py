@@ -32,7 +32,8 @@ from .coded import decode_saved, saved_problem
 from .mesh import ZeroMesh, all_reduce_everywhere, fingerprint, same_everywhere
 from ..layout import Layout
 
-__all__ = ["SHARD_FORMAT", "SHARD_VERSION", "shard_state_dict", "check_shard", "apply_shard", "agree_to_load", "shard_identity",
+__all__ = ["SHARD_FORMAT", "SHARD_VERSION", "shard_state_dict", "check_shard", "apply_shard", "agree_to_load",
+           "shard_identity",
            "full_model_state_dict"]
 
 SHARD_FORMAT = "zero_kernels.zero/shard"
