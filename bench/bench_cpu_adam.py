@@ -28,8 +28,10 @@ import time
 
 import torch
 
-from zero_kernels import _ext
-from zero_kernels.reference import bytes_per_element, compute_coeffs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import nonnegative_int, positive_int  # noqa: E402
+from zero_kernels import _ext  # noqa: E402
+from zero_kernels.reference import bytes_per_element, compute_coeffs  # noqa: E402
 
 B1, B2, EPS, LR, WD = 0.9, 0.999, 1e-8, 1e-3, 0.01
 
@@ -126,10 +128,10 @@ def table(title, med, best, n, bpe, ceiling_key, kernel_key, anchors):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=32 * 1024 * 1024)
-    ap.add_argument("--steps", type=int, default=9, help="timed steps per implementation (>= 5)")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--n", type=positive_int, default=32 * 1024 * 1024)
+    ap.add_argument("--steps", type=positive_int, default=9, help="timed steps per implementation (>= 5)")
+    ap.add_argument("--warmup", type=nonnegative_int, default=2)
+    ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--isa", choices=["avx512", "avx2", "scalar"], default=None,
                     help="cap the kernel's SIMD path (sets ZERO_KERNELS_CPU_ISA before first use)")

@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import interleaved_medians, table  # noqa: E402
+from _timing import interleaved_medians, positive_float, positive_int, table  # noqa: E402
 
 import zero_kernels as zk  # noqa: E402
 from zero_kernels.reference import bytes_per_element  # noqa: E402
@@ -101,9 +101,9 @@ def design_rows(n: int, repeats: int) -> list[list[object]]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16, 64], help="millions (2^20) of parameters")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--sizes", type=positive_float, nargs="+", default=[1, 4, 16, 64], help="millions (2^20) of parameters")
+    ap.add_argument("--threads", type=positive_int, default=2)
+    ap.add_argument("--repeats", type=positive_int, default=9)
     ap.add_argument("--design", action="store_true", help="only the pointer-table vs flat-buffer comparison")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)

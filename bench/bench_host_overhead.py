@@ -28,7 +28,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import interleaved_medians, table  # noqa: E402
+from _timing import interleaved_medians, positive_int, table  # noqa: E402
 
 os.environ.setdefault("TRITON_INTERPRET", "1")   # the triton row needs CPU tensors in the interpreter
 
@@ -79,7 +79,7 @@ def stub_kernels() -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", default="10,100,1000")
-    ap.add_argument("--repeats", type=int, default=41)
+    ap.add_argument("--repeats", type=positive_int, default=41)
     ap.add_argument("--states", default="fp32", choices=["fp32", "bf16", "8bit"],
                     help="zk's moment format (torch's row keeps fp32 states); coded ones on every tensor")
     args = ap.parse_args(argv)

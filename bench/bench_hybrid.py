@@ -28,6 +28,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _timing import nonnegative_int, positive_float, positive_int  # noqa: E402
+
 VARIANTS = ["zero2", "zero3", "zero3_hybrid", "zero3_hybrid_qwz", "zero3_hybrid_qwz_qgz", "fsdp2_hsdp"]
 NS = ("zkbench0", "zkbench1")
 ADDR = ("10.77.0.1", "10.77.0.2")
@@ -232,21 +235,19 @@ def worker(args) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    ap.add_argument("--link-mbit", type=float, default=None, help="rate-limit the cross-node link (needs root)")
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--width", type=int, default=512, help="MLP width (4 blocks of width -> 4 width -> width)")
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--link-mbit", type=positive_float, default=None, help="rate-limit the cross-node link (needs root)")
+    ap.add_argument("--rounds", type=positive_int, default=8)
+    ap.add_argument("--warmup", type=nonnegative_int, default=2)
+    ap.add_argument("--width", type=positive_int, default=512, help="MLP width (4 blocks of width -> 4 width -> width)")
+    ap.add_argument("--batch", type=positive_int, default=32)
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run")
+    ap.add_argument("--timeout", type=positive_float, default=1800, help="seconds for the whole run")
     ap.add_argument("--out", default="/tmp/zk_bench_hybrid.pt")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     unknown = [v for v in args.variants.split(",") if v and v not in VARIANTS]
     if unknown:                                     # an unknown name ran as ZeRO-3
         ap.error(f"--variants: {', '.join(unknown)} not among {', '.join(VARIANTS)}")
-    if args.width < 1 or args.batch < 1:
-        ap.error("--width and --batch must be >= 1")
     if args.worker:
         worker(args)
         return 0

@@ -48,6 +48,7 @@ import time
 from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import nonnegative_int, positive_int  # noqa: E402
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -196,10 +197,10 @@ def measure(rs: list[Row], rounds: int, warmup: int) -> dict[str, list[float]]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=32 * 1024 * 1024)
-    ap.add_argument("--rounds", type=int, default=9, help="interleaved timed rounds (medians)")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--n", type=positive_int, default=32 * 1024 * 1024)
+    ap.add_argument("--rounds", type=positive_int, default=9, help="interleaved timed rounds (medians)")
+    ap.add_argument("--warmup", type=nonnegative_int, default=2)
+    ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--backend", default="cpu", choices=["cpu", "reference", "triton"],
                     help="zero_kernels backend of the zk rows (the product on CPU is 'cpu')")
     ap.add_argument("--setup", action="store_true", help="pip install the pinned anchors and exit")

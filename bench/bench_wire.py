@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import interleaved_medians, table  # noqa: E402
+from _timing import interleaved_medians, positive_int, table  # noqa: E402
 
 from zero_kernels.codecs import CODE_BOOKS  # noqa: E402
 from zero_kernels.zero import qwz  # noqa: E402
@@ -35,9 +35,9 @@ def _with(backend: str, fn):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--numel", type=int, default=4 * 1024 * 1024)
-    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--numel", type=positive_int, default=4 * 1024 * 1024)
+    ap.add_argument("--threads", type=positive_int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeats", type=positive_int, default=9)
     args = ap.parse_args()
     if qwz.wire_module() is None:
         raise SystemExit(f"the C++ wire codec is unavailable: {qwz._why_no_cpp()}")

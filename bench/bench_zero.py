@@ -29,6 +29,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import nonnegative_int, positive_int  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
@@ -157,17 +158,12 @@ def _spawn(fn, args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--rounds", type=positive_int, default=12)
+    ap.add_argument("--warmup", type=nonnegative_int, default=2)
+    ap.add_argument("--batch", type=positive_int, default=64)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--no-rss", action="store_true")
     a = ap.parse_args()
-    for name in ("rounds", "batch"):
-        if getattr(a, name) < 1:
-            ap.error(f"--{name} must be >= 1")
-    if a.warmup < 0:
-        ap.error("--warmup must be >= 0")
     variants = a.variants.split(",")
     for v in variants:                              # name[:gloo mode]; an unknown name ran as ZeRO-2
         base, _, mode = v.partition(":")

@@ -30,6 +30,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import nonnegative_int, positive_int  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -121,10 +122,10 @@ def worker(rank, world, variant, steps, warmup, batch, out_q):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--steps", type=positive_int, default=8)
+    ap.add_argument("--warmup", type=nonnegative_int, default=3)
+    ap.add_argument("--batch", type=positive_int, default=64)
+    ap.add_argument("--repeats", type=positive_int, default=2)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--malloc-cache", action="store_true",
                     help="for every variant: glibc keeps freed large blocks (MALLOC_MMAP_THRESHOLD_ / "

@@ -49,6 +49,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import positive_int  # noqa: E402
 
 LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1
 
@@ -327,8 +328,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the candidates")
-    ap.add_argument("--repeats", type=int, default=10, help="timed steps per candidate per round")
+    ap.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds over the candidates")
+    ap.add_argument("--repeats", type=positive_int, default=10, help="timed steps per candidate per round")
     ap.add_argument("--csv", default=None, help="also write the rows to this CSV file")
     ap.add_argument("--profile", action="store_true", help="also print each candidate's CUDA kernels (torch.profiler)")
     ap.add_argument("--candidates", default=None, help="comma-separated substrings: run only matching candidates")

@@ -27,6 +27,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import positive_int  # noqa: E402
 
 DEFAULT_VARIANTS = "4x1024x4r80,4x1024x4r80n,4x1024x4r80p,4x1024x8r80p,4x1024x4"   # the kernel's own first
 
@@ -111,8 +112,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", default="llama7b-layer")
     ap.add_argument("--modes", default="8bit,8bit+rem")
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--rounds", type=positive_int, default=3)
+    ap.add_argument("--repeats", type=positive_int, default=10)
     ap.add_argument("--base", default=None, help="module holding a baseline adam_coded.py (variants 'base:...')")
     args = ap.parse_args(argv)
     import torch

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -40,7 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zero_kernels import codecs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import positive_float, positive_int  # noqa: E402
+
+from zero_kernels import codecs  # noqa: E402
 
 BETAS, EPS, WD = (0.9, 0.999), 1e-8, 0.1
 
@@ -225,10 +230,10 @@ def train(kind: str, args, init: dict, data: Markov2, evals: list) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", type=positive_int, default=400)
+    ap.add_argument("--batch", type=positive_int, default=16)
+    ap.add_argument("--lr", type=positive_float, default=3e-3)
+    ap.add_argument("--threads", type=positive_int, default=1)
     ap.add_argument("--only", default=None, help="comma-separated substrings: run only matching rows")
     ap.add_argument("--plot", default=None, help="write the loss curves to this PNG")
     ap.add_argument("--backend", default="auto", choices=["auto", "cpu", "reference", "triton"],
@@ -240,11 +245,6 @@ def main(argv=None) -> None:
     ap.add_argument("--tiny", action="store_true", help="the short version: TINY's model and vocabulary "
                     "(tests/test_quality_states.py)")
     args = ap.parse_args(argv)
-    for name in ("steps", "batch", "threads"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if not args.lr > 0:
-        ap.error(f"--lr must be > 0, got {args.lr}")
     args.cfg = TINY if args.tiny else GPTConfig()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

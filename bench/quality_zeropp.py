@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import positive_float, positive_int  # noqa: E402
 from _harness import spawn_pair  # noqa: E402
 from quality_states import GPT, Block, GPTConfig, Markov2, lr_at  # noqa: E402
 
@@ -73,9 +74,9 @@ def smooth(xs: list[float], k: int = 20) -> torch.Tensor:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch", type=int, default=8, help="rows per rank")
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--steps", type=positive_int, default=300)
+    ap.add_argument("--batch", type=positive_int, default=8, help="rows per rank")
+    ap.add_argument("--lr", type=positive_float, default=3e-3)
     ap.add_argument("--plot", default=None, help="write the loss curves to this PNG")
     args = ap.parse_args(argv)
     results = spawn_pair(worker, (args,), world=4)

@@ -8,8 +8,10 @@ followed and a dead peer surfacing as gloo's raw error (19).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import io
 import json
 import math
 import os
@@ -34,8 +36,6 @@ from zero_kernels import checkpoint as ck  # noqa: E402
 from zero_kernels import checkpoint_tools as ckt  # noqa: E402
 from zero_kernels.checkpoint_format import saved_layout  # noqa: E402
 from zero_kernels.state_keys import canonical_names  # noqa: E402
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---- a GPT-2-shaped model (Hugging Face layout and names: transformer.h.N.attn.c_attn, lm_head tied) ----
@@ -159,9 +159,15 @@ def barrier():
 
 
 def cli(*args):
-    env = dict(os.environ, PYTHONPATH=REPO)
-    return subprocess.run([sys.executable, "-m", "zero_kernels.checkpoint", *args], capture_output=True,
-                          text=True, env=env, timeout=120)
+    """``python -m zero_kernels.checkpoint ARGS``, in this process (its main(); the module entry point itself runs
+    as a subprocess in tests/test_checkpoint.py): a CompletedProcess with the exit status and both streams."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = ckt.main(list(args))
+        except SystemExit as e:         # argparse's usage errors
+            rc = e.code if isinstance(e.code, int) else 2
+    return subprocess.CompletedProcess(["zero_kernels.checkpoint", *args], rc, out.getvalue(), err.getvalue())
 
 
 def rewrite(vdir, fname, edit):

@@ -209,6 +209,9 @@ def test_main_table(capsys):
     (["--model", "--hidden", "1600"], "--layers"),
     (["--params", "7e9", "--plot", "out.txt"], ".png"),
     (["--params", "7e9", "--param-dtype", "int8"], "--param-dtype"),
+    (["--params", "1.5"], "not a whole number of parameters"),
+    (["--params", "7e9", "--inter-bw", "50"], "--inter-bw only affects the step-time model: add --simulate"),
+    (["--params", "7e9", "--gpus-per-node", "4", "--tokens", "8"], "--gpus-per-node, --tokens only affect"),
 ])
 def test_main_bad_flags(argv, msg, capsys):
     assert main(argv) == 2
@@ -327,3 +330,34 @@ def test_remainders_need_bf16(capsys):
         M.dtype_bytes("fp16", "fp32", True)
     assert main(["--params", "7e9", "--param-dtype", "fp32", "--remainders"]) == 2
     assert "--remainders needs --param-dtype bf16" in capsys.readouterr().err
+
+
+def test_simulate_options_list_matches_the_parser():
+    """simulate.OPTION_DESTS (what plan refuses without --simulate) is exactly the step-time group's options."""
+    import argparse
+    from zero_kernels import simulate as S
+    p = argparse.ArgumentParser()
+    S.add_arguments(p, int, float)
+    dests = {a.dest for a in p._actions} - {"help", "simulate"}
+    assert dests == set(S.OPTION_DESTS)
+    assert main(["--params", "7e9", "--gpus", "16", "--inter-bw", "50", "--simulate"]) == 0   # with it: fine
+
+
+def test_closed_stdout_is_not_a_traceback(monkeypatch, tmp_path):
+    """`python -m zero_kernels.plan ... | head -1`: the reader leaves, the write fails with BrokenPipeError; the
+    planner stops quietly (was a traceback and 'Exception ignored' at exit)."""
+    sink = open(tmp_path / "fd", "w")
+
+    class Gone:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self):
+            return sink.fileno()
+
+    monkeypatch.setattr(sys, "stdout", Gone())
+    assert main(["--params", "7e9"]) == 0
+    sink.close()

@@ -189,7 +189,7 @@ def _metadata(opt, version_dir_name: str) -> dict:
         "state_dict_keys": sd_keys, "registration_order": reg_order, "group_order": group_order,
         "master_dtype": dtype_name(torch.float32),
         "state_format": _state_format(opt),
-        "shards": [shard_name(r, opt.world_size) for r in range(opt.world_size)],
+        "shards": _shard_files(opt),
         "model_rest": "model_rest.pt",
         "lineage": opt.checkpoint_lineage,          # [Note: checkpoint lineage]: adopted by load_checkpoint
     }
@@ -340,10 +340,14 @@ def save_checkpoint(opt, path, keep: int = 1) -> str:
     return vdir
 
 
+def _shard_files(opt) -> list[str]:
+    """The shard files of a save of ``opt``, rank 0 first (metadata.json's "shards")."""
+    return [shard_name(r, opt.world_size) for r in range(opt.world_size)]
+
+
 def _written_files(opt) -> list[str]:
     """Every file a save of ``opt`` writes into its version directory (named in the owner file)."""
-    return ["metadata.json", "model_rest.pt", "COMPLETE"] + [shard_name(r, opt.world_size)
-                                                             for r in range(opt.world_size)]
+    return ["metadata.json", "model_rest.pt", "COMPLETE"] + _shard_files(opt)
 
 
 # ---- reading ------------------------------------------------------------------------------------

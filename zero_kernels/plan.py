@@ -48,6 +48,10 @@ def _param_count(text: str) -> int:
     value = float(m.group(1)) * _SUFFIX[m.group(2).lower()]
     if not value >= 1:
         raise argparse.ArgumentTypeError(f"parameter count must be >= 1, got {text!r}")
+    if abs(value - round(value)) > 1e-9 * value:   # '1.5' parameters: a slip (1.5B meant?), not a count
+        raise argparse.ArgumentTypeError(
+            f"parameter count {text!r} is not a whole number of parameters ({value:g}); did you mean "
+            f"{text.strip()}B or {text.strip()}M?")
     return int(round(value))
 
 
@@ -184,6 +188,11 @@ def _resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
         why = plot_path_problem(args.plot)
         if why is not None:
             err(f"--plot {args.plot}: {why}")
+    if not args.simulate:
+        given = [f"--{d.replace('_', '-')}" for d in S.OPTION_DESTS if getattr(args, d) != parser.get_default(d)]
+        if given:
+            err(f"{', '.join(given)} only affect{'s' if len(given) == 1 else ''} the step-time model: add "
+                "--simulate (or leave them out)")
     if args.simulate:
         if args.tp * args.pp != 1:
             err("--simulate models data parallelism only: leave --tp and --pp at 1")
@@ -291,6 +300,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = _resolve(args, parser)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2), message already printed
         return e.code if isinstance(e.code, int) else 2
+    try:
+        status = _run(parser, args, cfg)
+        sys.stdout.flush()   # inside the try: a reader that left fails the flush, not the interpreter's exit
+        return status
+    except BrokenPipeError:   # `plan ... | head`: the reader left; say nothing more (Python's own advice)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, cfg: dict) -> int:
     plans = _plans(args, cfg)
     print(_report(args, cfg, plans))
     if args.simulate:

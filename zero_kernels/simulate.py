@@ -12,6 +12,9 @@ from .step_time import Cluster, Options, StepEstimate, estimate, paper_volume
 __all__ = ["add_arguments", "configurations", "simulate", "report", "plot"]
 
 
+OPTION_DESTS = ("gpus_per_node", "intra_bw", "inter_bw", "tflops", "shard_size", "tokens")   # only --simulate reads
+
+
 def add_arguments(p: argparse.ArgumentParser, pos_int, pos_float) -> None:
     s = p.add_argument_group("step-time model (--simulate)")
     s.add_argument("--simulate", action="store_true",
