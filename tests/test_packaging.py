@@ -94,34 +94,38 @@ def test_skip_ext_reads_yes_no_values(value, skips):
     assert want in r.stderr, r.stderr
 
 
-def test_environment_variables_are_checked():
+def test_environment_variables_are_checked(monkeypatch):
     """A value the package does not understand raises naming the variable (an unknown ZERO_KERNELS_CPU_ISA left the
-    kernel uncapped while `report` printed the cap; ZK_GLOO_MODE=bogus ran gloo's native collectives)."""
-    from zero_kernels import _env
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZERO_KERNELS_", "ZK_GLOO"))}
-    for var, value, code, msg in [
-            ("ZERO_KERNELS_CPU_ISA", "AVX2", "zk.FusedAdamW([torch.nn.Parameter(torch.ones(3))], backend='cpu')",
+    kernel uncapped while `report` printed the cap; ZK_GLOO_MODE=bogus ran gloo's native collectives). The
+    extension's variables are checked at every use (in this process); ZK_GLOO_MODE at import (a subprocess)."""
+    import torch
+    import zero_kernels as zk
+    from zero_kernels import _env, _ext
+    for k in [k for k in os.environ if k.startswith(("ZERO_KERNELS_", "ZK_GLOO"))]:
+        monkeypatch.delenv(k)
+    for var, value, use, msg in [
+            ("ZERO_KERNELS_CPU_ISA", "AVX2", lambda: zk.FusedAdamW([torch.nn.Parameter(torch.ones(3))], backend="cpu"),
              "ZERO_KERNELS_CPU_ISA='AVX2' is not one of scalar, avx2, avx512"),
-            ("ZERO_KERNELS_CPU_NT", "2", "zk.FusedAdamW([torch.nn.Parameter(torch.ones(3))])",
+            ("ZERO_KERNELS_CPU_NT", "2", lambda: zk.FusedAdamW([torch.nn.Parameter(torch.ones(3))]),
              "ZERO_KERNELS_CPU_NT='2' is not one or two 0/1 digits"),
-            ("ZK_GLOO_MODE", "bogus", "import zero_kernels.zero",
-             "ZK_GLOO_MODE='bogus' is not one of p2p, allreduce, native"),
-            ("ZERO_KERNELS_NO_JIT", "n", "zero_kernels._ext.cpu_module()", "ZERO_KERNELS_NO_JIT='n' is not a yes/no"),
-            ("ZERO_KERNELS_CPU_ISA", "avx2", "assert zk.FusedAdamW([torch.nn.Parameter(torch.ones(3))], "
-             "backend='cpu') is not None", None)]:                                  # negative control
-        script = f"import torch, zero_kernels as zk, zero_kernels._ext\n{code}\n"
-        r = subprocess.run([sys.executable, "-c", script], env=dict(env, **{var: value}), capture_output=True,
-                           text=True, timeout=300)
+            ("ZERO_KERNELS_NO_JIT", "n", _ext.cpu_module, "ZERO_KERNELS_NO_JIT='n' is not a yes/no"),
+            ("ZERO_KERNELS_CPU_ISA", "avx2",                                             # negative control
+             lambda: zk.FusedAdamW([torch.nn.Parameter(torch.ones(3))], backend="cpu"), None)]:
+        monkeypatch.setenv(var, value)
         if msg is None:
-            assert r.returncode == 0, r.stderr[-2000:]
+            assert use() is not None
         else:
-            assert r.returncode != 0 and msg in r.stderr, (var, value, r.stderr[-2000:])
+            with pytest.raises(ValueError) as e:
+                use()
+            assert msg in str(e.value), (var, value, str(e.value))
+        monkeypatch.delenv(var)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZERO_KERNELS_", "ZK_GLOO"))}
+    r = subprocess.run([sys.executable, "-c", "import zero_kernels.zero"], env=dict(env, ZK_GLOO_MODE="bogus"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "ZK_GLOO_MODE='bogus' is not one of p2p, allreduce, native" in r.stderr, r.stderr
     for value, want in (("1", True), ("TRUE", True), (" on ", True), ("", False), ("0", False), ("No", False)):
-        os.environ["ZK_TEST_FLAG"] = value
-        try:
-            assert _env.flag("ZK_TEST_FLAG") is want, value
-        finally:
-            del os.environ["ZK_TEST_FLAG"]
+        monkeypatch.setenv("ZK_TEST_FLAG", value)
+        assert _env.flag("ZK_TEST_FLAG") is want, value
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, ".ci", "run")), reason="no source checkout beside the tests")
