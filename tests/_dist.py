@@ -84,7 +84,9 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0, collective_tim
 
 # Imported once by the fork server instead of by every rank (~2 s of CPU each): an empty world of 4 starts in
 # ~1 s instead of ~3.5 s on 2 cores; tests/test_zeropp.py + test_zero_safety.py 145-153 s instead of 170-173.
-_PRELOAD = ["torch", "torch.distributed", "numpy", "triton", "zero_kernels"]
+# torch._dynamo: torch.optim.Optimizer.add_param_group is wrapped by torch._disable_dynamo, which imports
+# torch._dynamo at its first call: every rank's first optimizer paid ~2-3 s of CPU (most of a small world's time).
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "triton", "zero_kernels"]
 _server_env: dict | None = None
 
 

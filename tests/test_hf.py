@@ -2,7 +2,9 @@
 trained under torchrun on 2 gloo processes, against the plain Trainer (torch AdamW, DDP by accelerate);
 save_model writes full weights at stage 3 that GPT2LMHeadModel.from_pretrained loads; resuming from an
 intermediate checkpoint reproduces the uninterrupted run."""
+import dataclasses
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -128,10 +130,20 @@ def _best_model(rank, world, out):
                              report_to=[], use_cpu=True, seed=0, disable_tqdm=True, eval_strategy="steps",
                              eval_steps=1, save_strategy="steps", save_steps=1, load_best_model_at_end=True,
                              metric_for_best_model="eval_loss", greater_is_better=True)
+    # save_only_model + load_best_model_at_end: refused at construction (was a CheckpointError after the whole run)
+    with pytest.raises(ValueError, match="save_only_model=True along with load_best_model_at_end"):
+        ZeroTrainer(model=model, args=dataclasses.replace(args, save_only_model=True), train_dataset=Tokens(),
+                    eval_dataset=Tokens(), zero_stage=3)
     trainer = ZeroTrainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(), zero_stage=3)
     trainer.train()
     full = trainer.zero_optimizer.full_model_state_dict()
     ck = {c: load_file(os.path.join(d, f"checkpoint-{c}", "model.safetensors")) for c in (1, 3)}
+    # a weights-only checkpoint (what save_only_model writes) cannot resume: the error says so
+    weights_only = os.path.join(d, "weights-only")
+    shutil.copytree(os.path.join(d, "checkpoint-1"), weights_only, ignore=shutil.ignore_patterns("zero_optimizer"))
+    with pytest.raises(FileNotFoundError, match="written with save_only_model=True, which cannot resume"):
+        ZeroTrainer(model=_one_layer_gpt2()[0], args=dataclasses.replace(args, load_best_model_at_end=False),
+                    train_dataset=Tokens(), eval_dataset=Tokens(), zero_stage=3).train(resume_from_checkpoint=weights_only)
     torch.save({"best": trainer.state.best_model_checkpoint, "final": full, "ck": ck}, out)
 
 

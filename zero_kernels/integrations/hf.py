@@ -53,6 +53,11 @@ class ZeroTrainer(Trainer):
         if self.optimizer is not None and not isinstance(self.optimizer, ZeroAdamW):
             raise ValueError("ZeroTrainer builds its ZeroAdamW itself: leave optimizers=(None, scheduler) or pass "
                              "a ZeroAdamW constructed from the model")
+        if self.args.save_only_model and self.args.load_best_model_at_end:    # transformers' rule for DeepSpeed, FSDP
+            raise ValueError("ZeroTrainer can't be used with save_only_model=True along with load_best_model_at_end="
+                             "True (as DeepSpeed and FSDP under transformers' Trainer): the best model is restored "
+                             f"from the checkpoint's ZeroAdamW checkpoint ({ZERO_CHECKPOINT_DIR}/), which "
+                             "save_only_model does not write. Drop one of the two options")
         # accelerate's preparation without its DDP wrap (evaluation_mode): bf16=True autocasts forward as for the
         # plain Trainer; then marked prepared (accelerate's own flag), so the Trainer's prepare never wraps it
         self.model = self.accelerator.prepare_model(self.model, evaluation_mode=True)
@@ -95,8 +100,13 @@ class ZeroTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         if not os.path.isdir(os.path.join(resume_from_checkpoint, ZERO_CHECKPOINT_DIR)):
-            raise FileNotFoundError(f"{resume_from_checkpoint} has no {ZERO_CHECKPOINT_DIR}/: not a checkpoint "
-                                    "written by ZeroTrainer")
+            weights = [f for f in ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json")
+                       if os.path.exists(os.path.join(resume_from_checkpoint, f))]
+            why = (f"it holds only the model weights ({weights[0]}): written with save_only_model=True, which cannot "
+                   "resume training (no optimizer states); load the weights into a new model with from_pretrained "
+                   "and train from there, or save without save_only_model" if weights else
+                   "not a checkpoint written by ZeroTrainer")
+            raise FileNotFoundError(f"{resume_from_checkpoint} has no {ZERO_CHECKPOINT_DIR}/: {why}")
         # the parameters are restored with the optimizer states, in _load_optimizer_and_scheduler
 
     def _load_best_model(self) -> None:
