@@ -35,9 +35,10 @@ def mesh_2d(r: int, s: int):
 
 
 # ---- TinyLM (test_zero's model) against one-process AdamW on the full batch --------------------------
-def hybrid_run(cfg, seed=0, **where):
+def hybrid_run(cfg, seed=0, norms=None, **where):
     """Train test_zero's TinyLM with ZeroAdamW(**where) (mesh= or process_group=) on the global rank's
-    micro-batch; returns the full model state dict (every rank)."""
+    micro-batch; returns the full model state dict (every rank). With ``cfg["clip"]`` the global norms
+    clip_grad_norm_ returns are appended to ``norms``."""
     world, r = dist.get_world_size(), dist.get_rank()
     model = make_model()
     opt = zk.ZeroAdamW(model, stage=cfg["stage"], bucket_size=cfg.get("bucket_size", 25 * 2**20),
@@ -47,7 +48,9 @@ def hybrid_run(cfg, seed=0, **where):
         rows = slice(r * B, (r + 1) * B)
         loss_fn(model, idx[rows], tgt[rows]).backward()
         if cfg.get("clip"):
-            opt.clip_grad_norm_(*cfg["clip"])
+            norm = opt.clip_grad_norm_(*cfg["clip"])
+            if norms is not None:
+                norms.append(norm)
         opt.step()
         opt.zero_grad()
     return opt.full_model_state_dict(), opt
@@ -78,11 +81,18 @@ def _parity_cases(rank, world):
     for shape in [(2, 2), (4, 1), (1, 4)]:
         mesh = mesh_2d(*shape)
         for cfg in PARITY if shape == (2, 2) else PARITY[2:5]:
-            full, opt = hybrid_run(cfg, mesh=mesh)
-            want = reference({"clip": cfg["clip"]}, world)[0] if cfg.get("clip") else ref
+            norms = []
+            full, opt = hybrid_run(cfg, mesh=mesh, norms=norms)
+            want, want_norms = reference({"clip": cfg["clip"]}, world) if cfg.get("clip") else (ref, [])
             try:
                 assert_matches(full, want)
                 assert_same_on_every_rank(full)
+                # the averaged gradient itself: Adam is blind to a constant gradient factor (and clipping
+                # rescales to max_norm), so a replica sum not divided by the replicate size, or divided by
+                # another group's size, shows only in the norm
+                assert len(norms) == len(want_norms)
+                for a, b in zip(norms, want_norms):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
             except AssertionError as e:
                 raise AssertionError(f"mesh {shape} {cfg}: {e}") from e
             assert opt.world_size == shape[1] and opt.process_group is mesh.get_group("shard")

@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""Mutation check: does the test suite catch single-line faults in the Adam kernels and the reference?
+"""Mutation check: does the test suite catch single-line faults in the Adam kernels and the reference,
+the codecs, and the ZeRO layer (zero_kernels/zero/: gradient averaging, norms and clipping, loss
+scaling, step counts, coded states, ZeRO++, state dicts; the ``zero.*`` faults)?
 
 Not part of CI and not collected by pytest (it lives in tools/, and runs pytest in subprocesses).
 
-    python tools/mutation_check.py                 # every fault (~20-30 min on 2 cores)
+    python tools/mutation_check.py                 # every fault (~20-30 min on 2 cores, + ~15 min zero.*)
+    python tools/mutation_check.py -k zero.        # the ZeRO layer's faults only
     python tools/mutation_check.py -k eps -k bf16  # faults whose id contains any of these words
     python tools/mutation_check.py --list          # the fault table, with the occurrence check
     python tools/mutation_check.py --jobs 2        # two mutants at a time (one tree copy each)
@@ -75,6 +78,32 @@ SUITES = {
              "-W", "ignore::RuntimeWarning"],
     # the C++ wire codec (csrc/cpu_quant.cpp) against codecs.encode_q8 / decode_q8 (every SIMD path)
     "wire_cpu": ["tests/test_wire_cpu.py", "-x"],
+    # --- the ZeRO layer (zero_kernels/zero/): gloo worlds on this machine against one-process torch AdamW
+    # ZeRO-1/2 parity at worlds 1-4 (clip, no_sync, groups, bf16, Adam+amsgrad, tied/unused/rank-unused
+    # parameters) plus the focused cases of tests/test_zero_faults.py
+    "zero12": ["tests/test_zero_faults.py", "tests/test_zero.py::test_parity_world"],
+    # ZeRO-3 parity at world 2 (its units' gathers, checkpointed regions, rank-dependent parameters)
+    "zero3": ["tests/test_zero3.py::test_zero3_world[2]"],
+    # hybrid sharding (2x2, 4x1, 1x4 meshes and odd sizes) against one-process AdamW
+    "zero_hybrid": ["tests/test_hybrid.py::test_hybrid_parity_world4",
+                    "tests/test_hybrid.py::test_hybrid_odd_sizes_world4"],
+    # loss scaling, GradScaler, non-finite skips (one rank poisoned), static scale bitwise, scale updates
+    "zero_scaling": ["tests/test_zero_safety.py::test_mixed_precision_safety_world2",
+                     "tests/test_zero_safety.py::test_dynamic_scale_follows_torch_amp_update_scale"],
+    # zopt.clip_grad_norm_ against DDP + torch clip, and clipping twice / not at all against torch
+    "zero_clip": ["tests/test_zero_clip.py", "-k", "matches_ddp or clipping_twice"],
+    # coded ZeRO states: the layout's whole blocks, the slice step against the codec bit for bit, the mixed case
+    "zero_coded": ["tests/test_zero_coded.py::test_slices_hold_whole_blocks",
+                   "tests/test_zero_coded.py::test_slice_step_is_the_codec[3]",
+                   "tests/test_zero_coded.py::test_frozen_pieces_of_a_slice_step_through_fp32"],
+    # qgZ reduce-scatter and replica average, qwZ gather, at world 3, against the codec reference and bounds
+    "zero_pp": ["tests/test_zeropp.py::test_qgz_reduce_scatter_world3",
+                "tests/test_zeropp.py::test_qgz_replica_average_world3",
+                "tests/test_zeropp.py::test_qwz_gather_world3"],
+    # resharding checkpoints (saved at 1, 2, 4 ranks, loaded at 1-4, stages and bucket sizes changed)
+    "zero_ckpt": ["tests/test_checkpoint.py::test_reshard_roundtrip_killed"],
+    # FSDP2 dim-0 chunks (the DCP re-layout) against torch.chunk
+    "zero_chunks": ["tests/test_dcp.py::test_chunk_ranges_are_torch_chunk"],
 }
 
 # ----------------------------------------------------------------------------------------- faults
@@ -87,6 +116,14 @@ KC, KCA = "kernels/_codecs.py", "kernels/adam_coded.py"
 CCS, CCV, CQ8 = "csrc/cpu_adam_coded_simd.h", "csrc/cpu_coded_vec.h", "csrc/cpu_q8_simd.h"
 CWQ = "csrc/cpu_quant.cpp"
 KQ, QWZ = "kernels/quant.py", "zero_kernels/zero/qwz.py"
+ZC, ZM, ZB, ZH = "zero_kernels/zero/collectives.py", "zero_kernels/zero/mesh.py", "zero_kernels/zero/buckets.py", \
+    "zero_kernels/zero/hooks.py"
+ZR, ZS, ZO, ZSC = "zero_kernels/zero/reduce.py", "zero_kernels/zero/step.py", "zero_kernels/zero/optimizer.py", \
+    "zero_kernels/zero/scaling.py"
+ZCF, ZCD, ZQG, ZSD = "zero_kernels/zero/config.py", "zero_kernels/zero/coded.py", "zero_kernels/zero/qgz.py", \
+    "zero_kernels/zero/state_dict.py"
+ZUB, ZRL, LAY, CKP = "zero_kernels/zero/unit_bucket.py", "zero_kernels/zero/relayout.py", "zero_kernels/layout.py", \
+    "zero_kernels/checkpoint.py"
 FAULTS = [
     # --- eps placement: torch adds eps AFTER the bias-corrected sqrt: sqrt(v)/bc2_sqrt + eps
     # (kernels/adam.py: root = sqrt(v), or sqrt(vmax) under AMSGRAD, then one denominator line for both)
@@ -341,6 +378,75 @@ FAULTS = [
      "wire_cpu", "C++ encoder: a partial block's padding is not zeroed (stale values enter its scale)"),
     ("cwire.bf16_widen", CWQ, "buf[i] = XT == ZK_BF16 ? zk_bf16_to_f32(p[i])", "buf[i] = XT == ZK_BF16 ? 0.0f",
      "wire_cpu", "C++ encoder: bf16 tail elements read as zero"),
+
+    # --- the ZeRO layer: gradient averaging and data movement
+    ("zero.rs_divides_twice", ZC, "output.div_(n)", "output.div_(n * n)", "zero12",
+     "gloo reduce-scatter divides the sum by the world size twice"),
+    ("zero.rs_drops_a_peer", ZC, "for b in bufs[1:]:", "for b in bufs[2:]:", "zero12",
+     "gloo reduce-scatter leaves out one peer's copy (world >= 3)"),
+    ("zero.replicate_not_averaged", ZM, "t.div_(mesh.replicate_size)", "t.div_(1)", "zero_hybrid",
+     "hybrid replicate all-reduce sums the replicas without averaging"),
+    ("zero.replicate_wrong_group_size", ZM, "t.div_(mesh.replicate_size)",
+     "t.div_(C.group_size(mesh.shard_group))", "zero_hybrid",
+     "hybrid replicate average divides by the shard group's size"),
+    ("zero.missing_grad_not_zeroed", ZB, "buf[ps.offset:ps.offset + ps.numel].zero_()", "pass", "zero12",
+     "a parameter without a gradient sends the stale contents of a recycled buffer"),
+    ("zero.no_sync_overwrites", ZH, "dst.add_(g)", "dst.copy_(g)", "zero12",
+     "stage 2/3: a no_sync micro-batch's gradient overwrites the accumulated one"),
+    ("zero.slice_accumulate_overwrites", ZH, "b.reduce.grad_slice.add_(b.reduce.pending_add)",
+     "b.reduce.grad_slice.copy_(b.reduce.pending_add)", "zero12",
+     "stage 2/3: a second backward without no_sync replaces the reduced slice instead of adding"),
+    ("zero.stage1_views_cast_skipped", ZR, "return buf.copy_(flat)", "return buf", "zero12",
+     "stage 1 views path with 16-bit grads: the cast copy into the send buffer is skipped"),
+    ("zero.stage1_flags_always_active", ZR, "flags[b.spec.params[li]] = int(p.grad is not None)",
+     "flags[b.spec.params[li]] = 1", "zero12",
+     "stage 1: a parameter without a gradient counts as active (stepped, decayed)"),
+    # --- global norm and clipping
+    ("zero.norm_local_only", ZS, "C.all_reduce_tensor(acc, op=dist.ReduceOp.SUM, group=process_group)", "None",
+     "zero12", "gradient norm of this rank's slices only (no all-reduce)"),
+    ("zero.norm_no_root", ZS, "return acc.pow(1.0 / norm_type)", "return acc", "zero12",
+     "gradient norm without the p-th root"),
+    ("zero.norm_drops_last_element", LAY, "return min(s, self.numel), min(e, self.numel)",
+     "return min(s, self.numel), min(e, self.numel - 1)", "zero12",
+     "data bounds (norm, non-finite check) leave out each bucket's last element"),
+    ("zero.clip_coef_unclamped", ZO, "torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)",
+     "float(max_norm) / (total + 1e-6)", "zero_clip", "clip coefficient not clamped to 1 (small gradients scaled up)"),
+    ("zero.clip_norm_still_scaled", ZO, "total = total / ls", "total = total", "zero_scaling",
+     "clip norm measured on the loss-scaled gradients"),
+    # --- loss scaling and non-finite skips
+    ("zero.unscale_multiplies", ZSC, "1.0 / self.loss_scaler.scale", "self.loss_scaler.scale", "zero_scaling",
+     "loss-scale unscale multiplies by the scale instead of 1/scale"),
+    ("zero.found_inf_ignored", ZO, "if not skip:", "if True:", "zero_scaling",
+     "a non-finite step is applied instead of skipped"),
+    ("zero.skip_needs_every_rank", ZSC, "all_reduce_everywhere(flag, dist.ReduceOp.MAX, self.mesh)",
+     "all_reduce_everywhere(flag, dist.ReduceOp.MIN, self.mesh)", "zero_scaling",
+     "non-finite flag reduced with MIN: one rank's inf does not skip the step"),
+    # --- step counts and runs
+    ("zero.steps_advance_without_grad", ZO, "for i in active.nonzero().flatten().tolist():",
+     "for i in range(len(self.steps)):", "zero12",
+     "every parameter's step count advances, with a gradient or not"),
+    ("zero.runs_merge_step_counts", ZS, "runs[-1][1] == pc.start and runs[-1][2] == st",
+     "runs[-1][1] == pc.start", "zero12",
+     "adjacent pieces with different step counts merged into one run (one bias correction)"),
+    # --- coded states, ZeRO++
+    ("zero.coded_alignment_dropped", ZCF,
+     "return max(self.alignment_bytes, BLOCK * 4) if blockwise else self.alignment_bytes",
+     "return self.alignment_bytes", "zero_coded", "blockwise states without the world x 256 bucket alignment"),
+    ("zero.coded_step_off_by_one", ZCD, "float(step - 1)", "float(step)", "zero_coded",
+     "coded slice step handed step t instead of t - 1 (bias corrections one step ahead)"),
+    ("zero.qgz_not_averaged", ZQG, "return acc.div_(n)", "return acc", "zero_pp",
+     "qgZ reduce-scatter sums the decoded peers without averaging"),
+    ("zero.qwz_own_slice_exact", QWZ, "if j != rank or not own_exact:", "if j != rank:", "zero_pp",
+     "hierarchical qgZ: a rank keeps its own slice exact (ranks disagree bitwise)"),
+    # --- state dicts, checkpoints, stage-3 gathers, dim-0 chunks
+    ("zero.load_params16_stale", ZSD, "b.owned_params.copy_(b.master)", "b.owned_params.copy_(b.owned_params)",
+     "zero_scaling", "load_state_dict: 16-bit working slice not set from the loaded master"),
+    ("zero.reshard_piece_offset", CKP, "sp.offset + pc.param_start", "sp.offset + pc.start", "zero_ckpt",
+     "resharding load reads a piece at its slice offset instead of its parameter offset"),
+    ("zero.s3_gather_stale_own_shard", ZUB, "flat[self.slice_start:self.slice_end].copy_(self.shard)", "None",
+     "zero3", "stage-3 gather: this rank's updated shard not copied into the gathered buffer"),
+    ("zero.dim0_chunk_floor", ZRL, "c = -(-d0 // world)", "c = d0 // world", "zero_chunks",
+     "FSDP2 dim-0 chunk rows rounded down (torch.chunk rounds up)"),
 ]
 
 
