@@ -2,6 +2,8 @@
 the same parameter groups and hyper-parameters (used by the Lightning and Hugging Face integrations)."""
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any
 
 import torch
@@ -58,8 +60,31 @@ def to_zero_optimizer(optimizer: torch.optim.Optimizer, module: torch.nn.Module,
 def repoint_schedulers(schedulers, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
     """Point every LR scheduler built on ``old`` at ``new``, keeping its state, the children of a
     ``SequentialLR`` / ``ChainedScheduler`` included (left on ``old``, they would change the discarded
-    optimizer's lr and the new one's would stay frozen)."""
+    optimizer's lr and the new one's would stay frozen); ``new.step`` is then wrapped as a scheduler's
+    construction wraps its optimizer's (:func:`_track_step_calls`)."""
     for sched in schedulers:
         if getattr(sched, "optimizer", None) is old:
             sched.optimizer = new
+            _track_step_calls(new)
         repoint_schedulers(getattr(sched, "_schedulers", ()), old, new)
+
+
+def _track_step_calls(opt: torch.optim.Optimizer) -> None:
+    """What torch's ``LRScheduler.__init__`` does to the optimizer it is built on: ``opt.step`` wrapped to set
+    ``opt._opt_called`` and marked ``_wrapped_by_lr_sched``. A scheduler checks both at its first step; on an
+    optimizer swapped in after it was built, it warned once per process that "`optimizer.step()` has been
+    overridden after learning rate scheduler initialization" although nothing was. (torch's own names: if a
+    release renames them, that warning comes back, and this wrapper still only sets a flag.)"""
+    step = opt.step
+    if hasattr(step, "_wrapped_by_lr_sched") or not hasattr(step, "__func__"):
+        return                             # wrapped already (a scheduler built on it), or not a method
+    func, ref = step.__func__, weakref.ref(opt)
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        o = ref()
+        o._opt_called = True
+        return func.__get__(o, o.__class__)(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    opt.step = wrapper

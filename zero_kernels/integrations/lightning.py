@@ -22,7 +22,29 @@ As Lightning's ``deepspeed_stage_2`` and ``fsdp`` strategies do, the strategy ow
   parameters raises ShardedGradError ([Note: gradient placeholders] in zero/grad_guard.py).
 - Checkpoints go through ZeroAdamW's own resharding checkpoints: ``trainer.save_checkpoint(path)``
   writes a checkpoint directory at ``path`` (one shard per rank) plus ``lightning_state.pt`` (the
-  trainer's own state: loops, callbacks, schedulers); ``ckpt_path=`` restores both, at any world size.
+  trainer's own state: loops, callbacks, schedulers); ``fit(ckpt_path=)`` restores both, at any world
+  size. [Note: weights-only checkpoints] and [Note: evaluating a checkpoint] below.
+
+[Note: weights-only checkpoints]
+``ModelCheckpoint(save_weights_only=True)`` and ``trainer.save_checkpoint(path, weights_only=True)``
+(Lightning's dumped checkpoint then has no "optimizer_states") write no optimizer shards: ``path`` is a
+directory holding only ``lightning_state.pt``, a plain Lightning checkpoint whose "state_dict" is the
+gathered full model (``zopt.full_model_state_dict()``: fp32 masters, a collective) and which has no
+optimizer or scheduler states: ``torch.load(f"{path}/lightning_state.pt")["state_dict"]`` or
+``MyModule.load_from_checkpoint(f"{path}/lightning_state.pt")`` load it without zero_kernels. Outside fit on a
+fresh Trainer (no ZeroAdamW exists) every save is of this kind, with the module's own weights.
+``fit(ckpt_path=)`` refuses such a checkpoint (ValueError naming save_weights_only and the fix) before
+anything is loaded: resuming needs the optimizer states. validate/test/predict evaluate its weights.
+
+[Note: evaluating a checkpoint]
+``trainer.validate/test/predict(model, ckpt_path=...)`` load the checkpoint's weights into the module
+and nothing else (as DeepSpeed's strategy does outside fit): a weights-only checkpoint's "state_dict", or
+a full checkpoint's fp32 masters read shard by shard from its ZeroAdamW checkpoint by every rank, with
+no process group (as ``python -m zero_kernels.checkpoint consolidate`` does, without the Adam states).
+Lightning builds no optimizer outside fit, so on a fresh Trainer the module stays unsharded: every rank
+holds and evaluates the full model, as under Lightning's DDP. After fit on the same Trainer (``test(ckpt_path=
+"best")``) the module is still the ZeroAdamW's: the weights are written inside ``zopt.gathered()`` and
+adopted into its masters (stage 3: into each rank's shard), its Adam states untouched.
 """
 from __future__ import annotations
 
@@ -33,7 +55,9 @@ from typing import Any, Mapping
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 
+from .. import checkpoint_format, checkpoint_tools
 from ..zero import ZeroAdamW
 from ._translate import check_no_loss_scale, repoint_schedulers, to_zero_optimizer
 
@@ -114,28 +138,84 @@ class ZeroStrategy(DDPStrategy):
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         return {}
 
+    def _module_optimizer(self) -> ZeroAdamW | None:
+        """The ZeroAdamW that owns the module now attached: built by setup_optimizers in fit (and kept
+        after it); None on a fresh Trainer outside fit, where Lightning builds no optimizer."""
+        for opt in self.optimizers:
+            opt = getattr(opt, "_optimizer", opt)
+            if isinstance(opt, ZeroAdamW) and opt.module is self.lightning_module:
+                return opt
+        return None
+
+    def _on_rank_zero(self, what: str, write) -> None:
+        """``write()`` on rank 0 only; its failure raised on every rank (the others would wait for it)."""
+        err = None
+        if self.is_global_zero:
+            try:
+                write()
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                err = f"{type(e).__name__}: {e}"
+        err = self.broadcast(err)
+        if err is not None:
+            raise RuntimeError(f"{what} failed on rank 0: {err}")
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("the zk strategies write their own checkpoint format: storage_options is not supported")
         path = self.broadcast(str(filepath))
-        _zero_optimizer(self.optimizers[0]).save_checkpoint(path)       # collective, verified, atomic
-        if self.is_global_zero:
-            state = {k: v for k, v in checkpoint.items() if k not in _EXCLUDED}
-            tmp = os.path.join(path, LIGHTNING_STATE + ".tmp")
-            torch.save(state, tmp)
-            os.replace(tmp, os.path.join(path, LIGHTNING_STATE))
-        self.barrier()
+        zopt = self._module_optimizer()
+        if zopt is None or "optimizer_states" not in checkpoint:
+            return self._save_weights_only(checkpoint, path, zopt)
+        self._on_rank_zero(f"save_checkpoint({path!r})", lambda: _drop_weights_only(path))
+        zopt.save_checkpoint(path)       # collective, verified, atomic
+        state = {k: v for k, v in checkpoint.items() if k not in _EXCLUDED}
+        self._on_rank_zero(f"save_checkpoint({path!r})", lambda: _write_state(path, state))
+
+    def _save_weights_only(self, checkpoint: dict[str, Any], path: str, zopt: ZeroAdamW | None) -> None:
+        """[Note: weights-only checkpoints]."""
+        if zopt is not None:
+            weights = zopt.full_model_state_dict()          # collective: every rank
+        else:
+            weights = self.lightning_module.state_dict()    # no ZeroAdamW: the module holds its full weights
+
+        def write():
+            _check_target(path)
+            state = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
+            state["state_dict"] = _to_cpu(weights)
+            os.makedirs(path, exist_ok=True)
+            _write_state(path, state)
+            _drop_zero_versions(path)        # a full checkpoint saved at this path before: its shards go
+        self._on_rank_zero(f"save_checkpoint({path!r}, weights_only=True)", write)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = self.broadcast(str(checkpoint_path))
         state_file = os.path.join(path, LIGHTNING_STATE)
         if not os.path.isfile(state_file):
             raise FileNotFoundError(f"{path} is not a checkpoint written by a zk strategy (no {LIGHTNING_STATE})")
-        _zero_optimizer(self.optimizers[0]).load_checkpoint(path)
-        return torch.load(state_file, map_location="cpu", weights_only=False)
+        state = torch.load(state_file, map_location="cpu", weights_only=False)
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            # [Note: evaluating a checkpoint]: the weights only, put into the module by load_model_state_dict
+            if "state_dict" not in state:
+                state["state_dict"] = _saved_weights(path)
+            return state
+        # weights-only: a "state_dict" (or, saved by versions before it was kept there, no scheduler states)
+        if "state_dict" in state or "lr_schedulers" not in state:
+            raise ValueError(_no_resume(path, state_file, type(self.lightning_module).__name__,
+                                        legacy="state_dict" not in state))
+        _zero_optimizer(self.optimizers[0]).load_checkpoint(path)     # parameters and Adam states
+        return state
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass                 # done by load_checkpoint
+        weights = checkpoint.get("state_dict")
+        if not weights:
+            return           # fit: loaded with the optimizer states by load_checkpoint
+        module, zopt = self.lightning_module, self._module_optimizer()
+        if zopt is None:
+            module.load_state_dict(weights, strict=strict)
+            return
+        with zopt.gathered():                    # stage 3: the full parameters, written back into the shards
+            module.load_state_dict(weights, strict=strict)
+        zopt.refresh_fp32_params()               # stages 1-2: the masters follow the loaded parameters
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass                 # done by load_checkpoint
@@ -150,6 +230,75 @@ class ZeroStrategy(DDPStrategy):
         for stage in (1, 2, 3):
             strategy_registry.register(f"zk_zero{stage}", cls, description=f"zero_kernels ZeRO stage {stage}",
                                        override=True, stage=stage)
+
+
+def _no_resume(path: str, state_file: str, module_cls: str, legacy: bool) -> str:
+    load = (f"{module_cls}.load_from_checkpoint({state_file!r}) (or module.load_state_dict(torch.load({state_file!r})"
+            "['state_dict']))") if not legacy else \
+        (f"`python -m zero_kernels.checkpoint consolidate {path} full.pt`, then module.load_state_dict("
+         "torch.load('full.pt')['model'])")
+    return (f"fit(ckpt_path={path!r}): this is a weights-only checkpoint (ModelCheckpoint(save_weights_only=True), "
+            "trainer.save_checkpoint(..., weights_only=True), or a save outside fit): it holds the model's weights but "
+            "no optimizer, LR-scheduler or callback states, so training cannot resume from it. Nothing was loaded. "
+            "Resume from a full checkpoint (ModelCheckpoint with save_weights_only=False, the default), or start a new "
+            f"fit from these weights: {load}, then trainer.fit(module) without ckpt_path. "
+            "validate/test/predict(ckpt_path=...) evaluate it as it is")
+
+
+def _to_cpu(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights on the CPU (loadable without a GPU), tied names still sharing one tensor."""
+    done: dict[int, torch.Tensor] = {}
+    for v in weights.values():
+        if id(v) not in done:
+            done[id(v)] = v.detach().cpu()
+    return {k: done[id(v)] for k, v in weights.items()}
+
+
+def _write_state(path: str, state: dict[str, Any]) -> None:
+    tmp = os.path.join(path, LIGHTNING_STATE + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, os.path.join(path, LIGHTNING_STATE))
+
+
+def _check_target(path: str) -> None:
+    """A weights-only save writes into a new or empty directory, or over a checkpoint a zk strategy wrote."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise FileExistsError(f"{path!r} exists and is not a directory (the zk strategies save checkpoint directories)")
+    if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, LIGHTNING_STATE)) \
+            and not checkpoint_format.versions(path):
+        raise FileExistsError(f"{path!r} is a non-empty directory that holds no zk checkpoint: refusing to write "
+                              "into it")
+
+
+def _drop_weights_only(path: str) -> None:
+    """Before a full save at ``path``: a weights-only checkpoint there (no ZeroAdamW versions, which the save
+    would refuse to write next to) is replaced."""
+    state_file = os.path.join(path, LIGHTNING_STATE)
+    if os.path.isfile(state_file) and not checkpoint_format.versions(path):
+        os.remove(state_file)
+
+
+def _drop_zero_versions(path: str) -> None:
+    """After a weights-only save at ``path``: the ZeroAdamW versions of a full checkpoint saved there before."""
+    for _, name in checkpoint_format.versions(path):
+        shutil.rmtree(os.path.join(path, name))
+    if os.path.isfile(os.path.join(path, "LATEST")):
+        os.remove(os.path.join(path, "LATEST"))
+
+
+def _saved_weights(path: str) -> dict[str, torch.Tensor]:
+    """The full model state dict of the ZeroAdamW checkpoint at ``path``: its fp32 masters, frozen parameters
+    and buffers, read shard by shard without a process group (``checkpoint.consolidate`` without the Adam
+    states)."""
+    vdir = checkpoint_format.resolve(path)
+    marker, meta = checkpoint_format.read_metadata(vdir)
+    where = os.path.join(vdir, "metadata.json")
+    checkpoint_format.check_state_codes(meta, where)
+    lay = checkpoint_format.saved_layout(meta, where)
+    masters = checkpoint_tools._full_states(vdir, marker, meta, lay, ["master"], verify=True)["master"]
+    rest = checkpoint_format.load_small(vdir, meta["model_rest"], marker, True,
+                                        meta.get("tensors", {}).get("model_rest.pt"))
+    return checkpoint_tools._model_entries(meta, lay, masters, rest)
 
 
 ZeroStrategy.register_strategies(StrategyRegistry)
