@@ -97,9 +97,13 @@ def test_weights_only_checkpoints_hold_the_full_weights_and_no_optimizer_states(
     assert "optimizer_states" not in state and "lr_schedulers" not in state and state["global_step"] == 4
     assert state["state_dict"].keys() == z3["params"].keys()
     assert all(torch.equal(state["state_dict"][k], v) for k, v in z3["params"].items())
-    # a save at a path holding the other kind replaces it
-    assert os.listdir(d / "full_then_w") == ["lightning_state.pt"]
-    assert "state_dict" in torch.load(d / "full_then_w" / "lightning_state.pt", weights_only=False)
+    # a full save replaces a weights-only one at its path; a weights-only save never deletes a full checkpoint:
+    # refused on every rank, the full checkpoint left as it was
+    err = z3["overwrite"][str(d / "full_then_w")]
+    assert err.startswith("ERROR") and "holds a full ZeroAdamW checkpoint" in err, err
+    assert sorted(os.listdir(d / "full_then_w")) == ["LATEST", "lightning_state.pt", "v000001"]
+    assert "state_dict" not in torch.load(d / "full_then_w" / "lightning_state.pt", weights_only=False)
+    assert z3["overwrite"][str(d / "w_then_full")] is None
     assert sorted(os.listdir(d / "w_then_full")) == ["LATEST", "lightning_state.pt", "v000001"]
     assert "state_dict" not in torch.load(d / "w_then_full" / "lightning_state.pt", weights_only=False)
     # ModelCheckpoint: saved at every step, kept the best (step 2), removed the others it had written

@@ -107,6 +107,27 @@ def check_output_path(out: str, vdir: str) -> None:
         raise CheckpointError(f"output {out!r}: its folder {os.path.dirname(real)!r} does not exist; create it first")
 
 
+def _read(vdir: str) -> tuple:
+    """(COMPLETE marker, metadata, saved layout) of version ``vdir``, its state codes checked."""
+    marker, meta = read_metadata(vdir)
+    check_state_codes(meta, os.path.join(vdir, "metadata.json"))
+    return marker, meta, saved_layout(meta, os.path.join(vdir, "metadata.json"))
+
+
+def _rest(vdir: str, marker: dict, meta: dict, verify: bool) -> dict:
+    """The module entries that are not trainable parameters (frozen parameters, buffers)."""
+    return load_small(vdir, meta["model_rest"], marker, verify, meta.get("tensors", {}).get("model_rest.pt"))
+
+
+def model_weights(path, verify: bool = True) -> dict:
+    """The full fp32 model state dict of the checkpoint at ``path``: :func:`consolidate`'s "model" without
+    reading the Adam states (one shard file mapped at a time; no process group)."""
+    vdir = resolve(path)
+    marker, meta, lay = _read(vdir)
+    master = _full_states(vdir, marker, meta, lay, ["master"], verify)["master"]
+    return _model_entries(meta, lay, master, _rest(vdir, marker, meta, verify))
+
+
 def consolidate(path, out: str | None = None, verify: bool = True) -> dict:
     """Full fp32 model state dict + a torch.optim.AdamW/Adam state dict, built shard by shard
     (one shard file mapped at a time; no process group). Writes it to ``out`` (atomically) when given.
@@ -121,13 +142,10 @@ def consolidate(path, out: str | None = None, verify: bool = True) -> dict:
     vdir = resolve(path)
     if out is not None:
         check_output_path(os.fspath(out), vdir)
-    marker, meta = read_metadata(vdir)
-    check_state_codes(meta, os.path.join(vdir, "metadata.json"))
-    lay = saved_layout(meta, os.path.join(vdir, "metadata.json"))
+    marker, meta, lay = _read(vdir)
     keys = ["master", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if meta.get("amsgrad_state") else [])
     full = _full_states(vdir, marker, meta, lay, keys, verify)
-    rest = load_small(vdir, meta["model_rest"], marker, verify, meta.get("tensors", {}).get("model_rest.pt"))
-    model = _model_entries(meta, lay, full["master"], rest)
+    model = _model_entries(meta, lay, full["master"], _rest(vdir, marker, meta, verify))
     steps = {p.index: p_meta["step"] for p, p_meta in zip(lay.params, meta["params"])}
     groups, state, names = [], {}, []
     idx = 0

@@ -6,7 +6,8 @@ rank 0 saves the full parameters. Run by tests/test_lightning.py:
                               [--evaluate FULL WEIGHTS]
 
 --save-weights: after fit, trainer.save_checkpoint(CKPT, weights_only=True).
---overwrite A B: after fit, a weights-only save over a full one at A, a full save over a weights-only one at B.
+--overwrite A B: after fit, a weights-only save over a full one at A (refused), a full save over a weights-only
+  one at B (replaces it).
 --best-dir: fit with ModelCheckpoint(DIR, save_weights_only=True) saving every step, best = step 2, then
     trainer.test(ckpt_path="best") on the same Trainer: OUT["test_best"].
 --evaluate: after the rest, on fresh Trainers (new modules) with STRATEGY: validate(ckpt_path=FULL),
@@ -131,15 +132,16 @@ def main():
         trainer.save_checkpoint(a.save)
     if a.save_weights:
         trainer.save_checkpoint(a.save_weights, weights_only=True)
+    over = {}
     if a.overwrite:
         for path, first in zip(a.overwrite, (False, True)):
             trainer.save_checkpoint(path, weights_only=first)
-            trainer.save_checkpoint(path, weights_only=not first)
+            over[path] = _attempt(lambda: trainer.save_checkpoint(path, weights_only=not first))
     if a.strategy.startswith("zk_"):
         full = trainer.strategy.optimizers[0].full_model_state_dict()     # collective
     else:
         full = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    res = {"params": full, "global_step": trainer.global_step,
+    res = {"params": full, "global_step": trainer.global_step, "overwrite": over,
            "lr": trainer.strategy.optimizers[0].param_groups[0]["lr"]}
     if a.best_dir:
         res["best"] = trainer.checkpoint_callback.best_model_path

@@ -32,7 +32,9 @@ directory holding only ``lightning_state.pt``, a plain Lightning checkpoint whos
 gathered full model (``zopt.full_model_state_dict()``: fp32 masters, a collective) and which has no
 optimizer or scheduler states: ``torch.load(f"{path}/lightning_state.pt")["state_dict"]`` or
 ``MyModule.load_from_checkpoint(f"{path}/lightning_state.pt")`` load it without zero_kernels. Outside fit on a
-fresh Trainer (no ZeroAdamW exists) every save is of this kind, with the module's own weights.
+fresh Trainer (no ZeroAdamW exists) every save is of this kind, with the module's own weights. A full save
+replaces a weights-only checkpoint at its path; a weights-only save at a full checkpoint's path is refused
+(it would delete optimizer states).
 ``fit(ckpt_path=)`` refuses such a checkpoint (ValueError naming save_weights_only and the fix) before
 anything is loaded: resuming needs the optimizer states. validate/test/predict evaluate its weights.
 
@@ -184,7 +186,6 @@ class ZeroStrategy(DDPStrategy):
             state["state_dict"] = _to_cpu(weights)
             os.makedirs(path, exist_ok=True)
             _write_state(path, state)
-            _drop_zero_versions(path)        # a full checkpoint saved at this path before: its shards go
         self._on_rank_zero(f"save_checkpoint({path!r}, weights_only=True)", write)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -196,7 +197,7 @@ class ZeroStrategy(DDPStrategy):
         if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
             # [Note: evaluating a checkpoint]: the weights only, put into the module by load_model_state_dict
             if "state_dict" not in state:
-                state["state_dict"] = _saved_weights(path)
+                state["state_dict"] = checkpoint_tools.model_weights(path)
             return state
         # weights-only: a "state_dict" (or, saved by versions before it was kept there, no scheduler states)
         if "state_dict" in state or "lr_schedulers" not in state:
@@ -264,8 +265,11 @@ def _check_target(path: str) -> None:
     """A weights-only save writes into a new or empty directory, or over a checkpoint a zk strategy wrote."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise FileExistsError(f"{path!r} exists and is not a directory (the zk strategies save checkpoint directories)")
-    if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, LIGHTNING_STATE)) \
-            and not checkpoint_format.versions(path):
+    if os.path.isdir(path) and checkpoint_format.versions(path):
+        raise FileExistsError(f"{path!r} holds a full ZeroAdamW checkpoint (optimizer states included): a weights-only "
+                              "save there would have to delete it, and a save never deletes what it may not have "
+                              "written. Save the weights to another path, or remove that checkpoint first")
+    if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, LIGHTNING_STATE)):
         raise FileExistsError(f"{path!r} is a non-empty directory that holds no zk checkpoint: refusing to write "
                               "into it")
 
@@ -276,29 +280,6 @@ def _drop_weights_only(path: str) -> None:
     state_file = os.path.join(path, LIGHTNING_STATE)
     if os.path.isfile(state_file) and not checkpoint_format.versions(path):
         os.remove(state_file)
-
-
-def _drop_zero_versions(path: str) -> None:
-    """After a weights-only save at ``path``: the ZeroAdamW versions of a full checkpoint saved there before."""
-    for _, name in checkpoint_format.versions(path):
-        shutil.rmtree(os.path.join(path, name))
-    if os.path.isfile(os.path.join(path, "LATEST")):
-        os.remove(os.path.join(path, "LATEST"))
-
-
-def _saved_weights(path: str) -> dict[str, torch.Tensor]:
-    """The full model state dict of the ZeroAdamW checkpoint at ``path``: its fp32 masters, frozen parameters
-    and buffers, read shard by shard without a process group (``checkpoint.consolidate`` without the Adam
-    states)."""
-    vdir = checkpoint_format.resolve(path)
-    marker, meta = checkpoint_format.read_metadata(vdir)
-    where = os.path.join(vdir, "metadata.json")
-    checkpoint_format.check_state_codes(meta, where)
-    lay = checkpoint_format.saved_layout(meta, where)
-    masters = checkpoint_tools._full_states(vdir, marker, meta, lay, ["master"], verify=True)["master"]
-    rest = checkpoint_format.load_small(vdir, meta["model_rest"], marker, True,
-                                        meta.get("tensors", {}).get("model_rest.pt"))
-    return checkpoint_tools._model_entries(meta, lay, masters, rest)
 
 
 ZeroStrategy.register_strategies(StrategyRegistry)
