@@ -138,3 +138,22 @@ def _run_world(fn, world_size: int, *args, timeout: float = 180.0, collective_ti
                 p.kill()
         for p in procs:
             p.join(5)
+
+
+class Cases:
+    """The cases of one rank's world function, each run even when an earlier one failed; ``check()`` raises one
+    AssertionError naming every failed case (with the tail of its traceback) after the last."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world, self.failures = rank, world, []
+
+    def run(self, name: str, fn) -> None:
+        try:
+            fn()
+        except Exception as e:  # collect all, report together
+            self.failures.append(f"[{name}] {type(e).__name__}: {e}\n{traceback.format_exc()[-2500:]}")
+
+    def check(self) -> None:
+        if self.failures:
+            raise AssertionError(f"rank {self.rank}/{self.world}: {len(self.failures)} case(s) failed:\n"
+                                 + "\n".join(self.failures))

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _dist import run_world  # noqa: E402
+from _dist import Cases, run_world  # noqa: E402
 
 import zero_kernels as zk  # noqa: E402
 from zero_kernels import backends  # noqa: E402
@@ -276,41 +276,35 @@ def _extra_backends():
 
 
 def _world_cases(rank, world):
-    failures = []
-
-    def run(name, fn):
-        try:
-            fn()
-        except Exception as e:  # collect all, report together
-            import traceback
-            failures.append(f"[{name}] {type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
+    cases = Cases(rank, world)
 
     for i, cfg in enumerate(PARITY):
         # every config at world 2 and at one world its sizes do not divide: 3 (even i) or 4 (odd i, with
         # world 1); suite time: each world-3 config ~1.5 s, each world-4 config ~2.5 s on 2 cores
         if (world == 3 and i % 2) or (world in (1, 4) and not i % 2):
             continue
-        run(f"parity {i} {cfg}", lambda cfg=cfg: check_parity(cfg))
+        cases.run(f"parity {i} {cfg}", lambda cfg=cfg: check_parity(cfg))
     # the C++ kernel's parity at world 2 and at world 3 (sizes it does not divide); worlds 1 and 4 add
     # nothing the parity configs do not already cover (suite time: ~12 s at world 4 on 2 cores)
     for be in (_extra_backends() if world in (2, 3) else ()):
         for st in (1, 2):
-            run(f"backend {be} stage {st}", lambda be=be, st=st: check_parity(dict(stage=st, backend=be, bucket_size=64)))
-            run(f"backend {be} bf16 stage {st}",
-                lambda be=be, st=st: check_parity(dict(stage=st, backend=be, dtype="bf16")))
+            cases.run(f"backend {be} stage {st}",
+                      lambda be=be, st=st: check_parity(dict(stage=st, backend=be, bucket_size=64)))
+            cases.run(f"backend {be} bf16 stage {st}",
+                      lambda be=be, st=st: check_parity(dict(stage=st, backend=be, dtype="bf16")))
     if world == 2:
-        run("state_dict round trip", _case_state_dict)
-        run("mismatched models raise", lambda: _case_mismatch(rank))
-        run("overlap: reduce-scatter issued before backward ends", _case_overlap)
-        run("overlap_param_gather: all-gathers finish in the next forward", lambda: _case_param_gather(rank))
-        run("predicted bytes of fp32 and bf16 parameters", _case_predicted_mixed_dtypes)
+        cases.run("state_dict round trip", _case_state_dict)
+        cases.run("mismatched models raise", lambda: _case_mismatch(rank))
+        cases.run("overlap: reduce-scatter issued before backward ends", _case_overlap)
+        cases.run("overlap_param_gather: all-gathers finish in the next forward", lambda: _case_param_gather(rank))
+        cases.run("predicted bytes of fp32 and bf16 parameters", _case_predicted_mixed_dtypes)
         for st in (1, 2):
-            run(f"overlap_param_gather: writes after step {st}", lambda st=st: _case_param_gather_writes(rank, st))
-        run("rank-dependent unused parameter", lambda: _case_rank_unused(rank))
+            cases.run(f"overlap_param_gather: writes after step {st}",
+                      lambda st=st: _case_param_gather_writes(rank, st))
+        cases.run("rank-dependent unused parameter", lambda: _case_rank_unused(rank))
     if world == 4:
-        run("2x2 mesh", lambda: _case_mesh(rank))
-    if failures:
-        raise AssertionError(f"rank {rank}/{world}: {len(failures)} case(s) failed:\n" + "\n".join(failures))
+        cases.run("2x2 mesh", lambda: _case_mesh(rank))
+    cases.check()
 
 
 def _case_state_dict():

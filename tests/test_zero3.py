@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _dist import run_world  # noqa: E402
+from _dist import Cases, run_world  # noqa: E402
 from test_zero import B, STEPS, V, Block, batch, groups_for, loss_fn, make_model, reference  # noqa: E402
 
 import zero_kernels as zk  # noqa: E402
@@ -493,43 +493,36 @@ def _case_writes_between_steps(param_dtype, remainders):
 
 
 def _world_cases(rank, world, which):
-    failures = []
-
-    def run(name, fn):
-        try:
-            fn()
-        except Exception as e:  # collect all, report together
-            import traceback
-            failures.append(f"[{name}] {type(e).__name__}: {e}\n{traceback.format_exc()[-2500:]}")
+    cases = Cases(rank, world)
 
     if "parity" in which:
         for i, cfg in enumerate(PARITY3):
-            run(f"parity {i} {cfg}", lambda cfg=cfg: check_parity3(cfg))
+            cases.run(f"parity {i} {cfg}", lambda cfg=cfg: check_parity3(cfg))
     if "cpu" in which:
         from zero_kernels import backends
         if backends.why_unavailable("cpu", torch.device("cpu")) is None:
-            run("backend cpu bf16", lambda: check_parity3(dict(backend="cpu", dtype="bf16", bucket_size=64)))
-            run("backend cpu fp32", lambda: check_parity3(dict(backend="cpu")))
+            cases.run("backend cpu bf16", lambda: check_parity3(dict(backend="cpu", dtype="bf16", bucket_size=64)))
+            cases.run("backend cpu fp32", lambda: check_parity3(dict(backend="cpu")))
     if "ckpt" in which:
         for mode in (None, "non_reentrant", "reentrant"):
-            run(f"checkpoint {mode}", lambda mode=mode: _case_ckpt_shared(mode))
-        run("checkpoint prefetch 2", lambda: _case_ckpt_shared("non_reentrant", prefetch=2))
+            cases.run(f"checkpoint {mode}", lambda mode=mode: _case_ckpt_shared(mode))
+        cases.run("checkpoint prefetch 2", lambda: _case_ckpt_shared("non_reentrant", prefetch=2))
         if world == 2:
             for dt, rem in ((None, False), (torch.bfloat16, False), (torch.bfloat16, True)):
-                run(f"writes between steps {dt} {rem}", lambda dt=dt, rem=rem: _case_writes_between_steps(dt, rem))
+                cases.run(f"writes between steps {dt} {rem}",
+                          lambda dt=dt, rem=rem: _case_writes_between_steps(dt, rem))
             for mode in ("non_reentrant", "reentrant"):
-                run(f"checkpoint regions {mode}", lambda mode=mode: _case_checkpoint_regions(mode))
+                cases.run(f"checkpoint regions {mode}", lambda mode=mode: _case_checkpoint_regions(mode))
     if "prefetch" in which:
-        run("prefetch order", _case_prefetch_order)
+        cases.run("prefetch order", _case_prefetch_order)
     if "rank-dependent" in which:
-        run("rank-dependent parameters", _case_rank_dependent_parameters)
+        cases.run("rank-dependent parameters", _case_rank_dependent_parameters)
     if "storage" in which:
-        run("storage release", _case_storage_release)
+        cases.run("storage release", _case_storage_release)
     if "mesh" in which:
         dp = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        run("2x2 mesh", lambda: check_parity3(dict(bucket_size=64), group=dp[rank // 2], seed=rank // 2 + 1))
-    if failures:
-        raise AssertionError(f"rank {rank}/{world}: {len(failures)} case(s) failed:\n" + "\n".join(failures))
+        cases.run("2x2 mesh", lambda: check_parity3(dict(bucket_size=64), group=dp[rank // 2], seed=rank // 2 + 1))
+    cases.check()
 
 
 WORLDS = {1: ("parity", "ckpt", "storage"), 2: ("parity", "cpu", "ckpt", "prefetch", "storage", "rank-dependent"),
