@@ -31,8 +31,11 @@ sample tensors (the first, a middle and the last): max relative error in the tab
 beyond 1e-5 is marked FAILED and not timed.
 Ceiling: a streaming Triton kernel with the same access mix as the step (fp32: 4 fp32 reads, 3 fp32
 writes; bf16-master: 3 fp32 + 1 bf16 reads, 3 fp32 + 1 bf16 writes) over flat buffers of the same
-element count: the best GB/s this device reaches for that traffic. Device time: CUDA events around
-``step()``; host time: wall time of the ``step()`` call itself (enqueueing, before any sync).
+element count: the best GB/s this device reaches for that traffic. Device ms: CUDA events around
+``repeats`` steps enqueued back to back, per step (the step's device throughput: in training the step is
+enqueued behind the backward pass, so the host's work overlaps the GPU's); synced ms: CUDA events around one
+``step()`` started on an idle GPU (device time plus the host's latency to the first launch); host ms: wall
+time of the ``step()`` call itself (enqueueing, before any sync).
 GB/s = ``reference.bytes_per_element`` x parameters / device time (the bytes the task needs, so a
 pipeline that moves more shows as lower GB/s).
 
@@ -226,6 +229,22 @@ def time_steps(step, repeats: int, warmup: int = 2) -> tuple[list, list]:
     return dev, host
 
 
+def time_queued(step, repeats: int) -> float:
+    """Device ms per step with ``repeats`` steps enqueued back to back (CUDA events around all of them, the
+    GPU busy from the first step on): the step's device throughput, what a training loop sees once the step is
+    enqueued behind the backward pass. ``time_steps``' per-step events start on an idle GPU, so they also
+    count the host's latency to the step's first launch."""
+    import torch
+    step()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(repeats):
+        step()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / repeats
+
+
 def ceiling_ms(numel: int, mode: str, repeats: int) -> float | None:
     """Median ms of the streaming kernel with the step's access mix over ``numel`` elements."""
     import torch
@@ -237,10 +256,12 @@ def ceiling_ms(numel: int, mode: str, repeats: int) -> float | None:
     gdt = torch.float32 if mode == "fp32" else torch.bfloat16
     d = torch.rand(numel, device="cuda").to(gdt)
     e = torch.empty(numel, device="cuda", dtype=torch.bfloat16) if mode != "fp32" else None
-    dev, _ = time_steps(lambda: stream_mix(a, b, c, d, e), repeats)
+    run = lambda: stream_mix(a, b, c, d, e)  # noqa: E731
+    time_steps(run, 1)
+    queued = [time_queued(run, repeats) for _ in range(3)]
     del a, b, c, d, e
     torch.cuda.empty_cache()
-    return statistics.median(dev)
+    return statistics.median(queued)
 
 
 def profile_step(label: str, step, top: int = 8) -> None:
@@ -270,9 +291,9 @@ def run_workload(name: str, mode: str, builders: dict, rounds: int, repeats: int
     if coded and ceil:       # the bf16-master mix's bandwidth over this mode's bytes
         ceil *= bpe / mode_bytes_per_element("bf16-master")
     rows = [dict(workload=name, mode=mode, candidate="ceiling (bf16-master mix's GB/s)" if coded else
-                 "ceiling (same stream mix)", params=numel, device_ms=ceil, host_ms=None, err=None,
+                 "ceiling (same stream mix)", params=numel, device_ms=ceil, synced_ms=None, host_ms=None, err=None,
                  note="" if ceil else "triton unavailable")]
-    results = {k: dict(dev=[], host=[], err=None, note=why or "") for k, (_, why) in builders.items()
+    results = {k: dict(dev=[], queued=[], host=[], err=None, note=why or "") for k, (_, why) in builders.items()
                if not coded or k.startswith("zero_kernels")}
     picks = [0, len(shapes) // 2, len(shapes) - 1]
     for r in range(rounds):
@@ -293,6 +314,7 @@ def run_workload(name: str, mode: str, builders: dict, rounds: int, repeats: int
                 dev, host = time_steps(c.step, repeats)
                 results[k]["dev"] += dev
                 results[k]["host"] += host
+                results[k]["queued"].append(time_queued(c.step, repeats))
                 if profile and r == rounds - 1:
                     profile_step(f"{name} {mode} {k}", c.step)
             except torch.cuda.OutOfMemoryError:
@@ -301,9 +323,9 @@ def run_workload(name: str, mode: str, builders: dict, rounds: int, repeats: int
                 del c
                 torch.cuda.empty_cache()
     for k, res in results.items():
-        dev = statistics.median(res["dev"]) if res["dev"] else None
-        rows.append(dict(workload=name, mode=mode, candidate=k, params=numel, device_ms=dev,
-                         host_ms=statistics.median(res["host"]) if res["host"] else None,
+        med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+        rows.append(dict(workload=name, mode=mode, candidate=k, params=numel, device_ms=med(res["queued"]),
+                         synced_ms=med(res["dev"]), host_ms=statistics.median(res["host"]) if res["host"] else None,
                          err=res["err"], note=res["note"]))
     for row in rows:
         row["bpe"] = bpe
@@ -317,10 +339,10 @@ def print_table(rows: list[dict], flush: bool = False) -> None:
     from _timing import table
     fmt = lambda x, f: "" if x is None else format(x, f)  # noqa: E731
     print(table([[r["workload"], r["mode"], r["candidate"], f"{r['params'] / 1e6:.0f}M", f"{r['bpe']:.2f}",
-                  fmt(r["device_ms"], ".3f"),
+                  fmt(r["device_ms"], ".3f"), fmt(r["synced_ms"], ".3f"),
                   fmt(r["host_ms"], ".3f"), fmt(r["gbs"], ".0f"), fmt(r["pct"], ".1f"), fmt(r["err"], ".1e"), r["note"]]
                  for r in rows],
-                ["workload", "mode", "candidate", "params", "B/param", "device ms", "host ms", "GB/s", "% of ceiling",
+                ["workload", "mode", "candidate", "params", "B/param", "device ms", "synced ms", "host ms", "GB/s", "% of ceiling",
                  "max rel err", "note"]), flush=flush)
 
 

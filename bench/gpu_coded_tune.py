@@ -10,12 +10,13 @@ blocks, iterations per program, optionally a register cap per thread of the rest
 ``n``: every chunk in one launch of the kernel with every path instead of the full chunks in a FULL launch of
 their own, [Note: full and rest launches]; ``p``: the FULL launch pipelined, each tile's loads issued before the
 previous tile's arithmetic, PIPELINE_FULL; ``s``: the fp32-state kernel's own full-chunk launch,
-kernels/adam.py SPLIT_FULL, for the modes fp32 and bf16-master, whose kernel ignores the other fields); ``base:WARPSxBLOCKxITERS`` runs the kernel of
+kernels/adam.py SPLIT_FULL, for the modes fp32 and bf16-master, whose kernel ignores the other fields unless the
+variant starts with ``f``: ``f8x1024x4`` launches kernels/adam.py with 8 warps, BLOCK 1024, 4 iterations); ``base:WARPSxBLOCKxITERS`` runs the kernel of
 another copy of kernels/ instead (``--base``: a module path, e.g. a baseline kernels/ copied to
 zero_kernels/_kernels_base), interleaved with the others in the same process: an A/B of a kernel change on one
 warm GPU. Each variant's first step is checked bit for bit against the first variant's on the same inputs (a
 variant that differs is marked FAILED and not timed); then device time per step, median over rounds (CUDA events
-around FusedAdamW.step, states and gradients fixed). GB/s from bench/gpu.py's byte counts. The kernel's module
+around ``repeats`` steps enqueued back to back, bench/gpu.py's ``time_queued``; states and gradients fixed). GB/s from bench/gpu.py's byte counts. The kernel's module
 globals are set per variant (BLOCK, ITERS, CHUNK, LAUNCH_OPTIONS, Q8_MAXNREG, SPLIT_FULL, PIPELINE_FULL, the kernel
 itself; kernels/adam.py's SPLIT_FULL): a tuning tool, not a way to run the optimizer. Without a CUDA GPU it says so and exits 0.
 """
@@ -33,6 +34,7 @@ DEFAULT_VARIANTS = "4x1024x4r80,4x1024x4r80n,4x1024x4r80p,4x1024x8r80p,4x1024x4"
 
 
 _OWN_KERNEL = []
+_FP32_DEFAULT = []
 
 
 class _WithoutFull:
@@ -49,14 +51,23 @@ class _WithoutFull:
 
 
 def set_variant(warps: int, block: int, iters: int, kernel=None, maxnreg: int = 0, split: bool = True,
-                pipeline: bool = False, fp32_split: bool = False) -> None:
+                pipeline: bool = False, fp32_split: bool = False, fp32_shape: bool = False) -> None:
     """Module constants of kernels/adam_coded.py for one variant; ``kernel``: another jit kernel (a baseline's)
     launched in place of the module's own, None for the module's own; ``maxnreg``: the register cap per thread
     of the 8-bit-moment rest launches (Q8_MAXNREG; 0: none); ``split``: SPLIT_FULL; ``pipeline``: PIPELINE_FULL;
-    ``fp32_split``: kernels/adam.py's SPLIT_FULL."""
+    ``fp32_split``: kernels/adam.py's SPLIT_FULL; ``fp32_shape``: kernels/adam.py's BLOCK, ITERS and num_warps from
+    ``warps, block, iters`` too (else the module's own)."""
     from zero_kernels.kernels import adam as A
     from zero_kernels.kernels import adam_coded as AC
     A.SPLIT_FULL = fp32_split
+    if not _FP32_DEFAULT:
+        _FP32_DEFAULT.append((A.BLOCK, A.ITERS, dict(A.LAUNCH_OPTIONS)))
+    if fp32_shape:      # the fp32-state kernel's launch shape from the variant's fields, else its own
+        A.BLOCK, A.ITERS, A.CHUNK = block, iters, block * iters
+        A.LAUNCH_OPTIONS = dict(num_warps=warps, enable_fp_fusion=False)
+    else:
+        b, i, opts = _FP32_DEFAULT[0]
+        A.BLOCK, A.ITERS, A.CHUNK, A.LAUNCH_OPTIONS = b, i, b * i, dict(opts)
     if not _OWN_KERNEL:
         _OWN_KERNEL.append(AC.fused_adam_coded_kernel)
     AC.fused_adam_coded_kernel = _WithoutFull(kernel) if kernel is not None else _OWN_KERNEL[0]
@@ -76,11 +87,13 @@ def parse_variant(v: str, base) -> tuple:
         if base is None:
             raise SystemExit(f"variant {v!r} needs --base")
         kernel, v = base.fused_adam_coded_kernel, v[len("base:"):]
+    fp32_shape = v.startswith("f")
+    v = v.removeprefix("f")
     split, pipeline, fp32_split = not v.endswith("n"), v.endswith("p"), v.endswith("s")
     if pipeline and kernel is not None:
         raise SystemExit(f"variant {v!r}: a --base kernel has no pipelined FULL launch")
     v, _, reg = v.rstrip("nps").partition("r")
-    return (*(int(x) for x in v.split("x")), kernel, int(reg or 0), split, pipeline, fp32_split)
+    return (*(int(x) for x in v.split("x")), kernel, int(reg or 0), split, pipeline, fp32_split, fp32_shape)
 
 
 def build(shapes, mode, seed=0, device="cuda"):
@@ -122,7 +135,7 @@ def main(argv=None) -> int:
         return 0
     os.environ.setdefault("TRITON_INTERPRET", "0")
     from _timing import table
-    from gpu import WORKLOADS, mode_bytes_per_element, time_steps
+    from gpu import WORKLOADS, mode_bytes_per_element, time_queued, time_steps
     shapes = WORKLOADS[args.workload]()
     numel = sum(int(torch.Size(s).numel()) for s in shapes)
     import importlib
@@ -132,7 +145,7 @@ def main(argv=None) -> int:
     from zero_kernels.kernels import adam as A
     from zero_kernels.kernels import adam_coded as AC
     default = (AC.LAUNCH_OPTIONS["num_warps"], AC.BLOCK, AC.ITERS, None, AC.Q8_MAXNREG, AC.SPLIT_FULL,
-               AC.PIPELINE_FULL, A.SPLIT_FULL)
+               AC.PIPELINE_FULL, A.SPLIT_FULL, False)
     print(f"{torch.cuda.get_device_name(0)}, {args.workload} ({numel / 1e6:.0f}M), medians of {args.rounds} rounds "
           f"x {args.repeats} steps", flush=True)
     rows = []
@@ -154,8 +167,8 @@ def main(argv=None) -> int:
                     elif not all(torch.equal(a, b) for a, b in zip(got, want)):
                         notes[v] = "FAILED: differs from the first variant"
                         continue
-                dev, _ = time_steps(opt.step, args.repeats)
-                times[v] += dev
+                time_steps(opt.step, 1)                         # warm-up, synchronized
+                times[v].append(time_queued(opt.step, args.repeats))
                 del ps, opt
                 torch.cuda.empty_cache()
         first = statistics.median(times[variants[0]]) if times[variants[0]] else None

@@ -23,9 +23,9 @@ same; Nsight Compute (llama7b-layer, 8bit+rem): DRAM 49% -> 56% busy, occupancy 
 before the cap). Still latency-bound: the step moves ~2.0-2.6 TB/s of the ~4 the streaming kernels reach.
 Since then the chunks inside their tensor with every address aligned run in a launch of their own whose kernel
 holds the 128-bit path alone (FULL; [Note: full and rest launches] in _multi_tensor.py): 59-79 registers per
-thread instead of 77-102 (sm_90, the codegen cases; not yet timed on a GPU); the rest chunks (a tensor's last,
+thread instead of 77-102 (sm_90, the codegen cases; H200 2026-11-28: 1.08x faster than one launch); the rest chunks (a tensor's last,
 a misaligned tensor's) run the kernel with every path. The FULL launch can also run pipelined (PIPELINE,
-module flag PIPELINE_FULL, off until timed): its N_ITERS tiles unrolled, tile i + 1's loads (``_tile_load``,
+module flag PIPELINE_FULL, off: 0.89-0.91x on the H200): its N_ITERS tiles unrolled, tile i + 1's loads (``_tile_load``,
 undecoded) issued before tile i's arithmetic and stores (``_tile_step``), so a thread keeps a tile of loads in
 flight through the arithmetic (the PTX order: loads i + 1, sqrt i, stores i), for 92-96 registers instead of
 59-69 (sm_90), i.e. 5 programs per SM instead of 7.
@@ -70,12 +70,14 @@ Q8_MAXNREG = 80
 # Full chunks (inside their tensor, aligned) in a launch of their own, FULL=True ([Note: full and rest launches]
 # in _multi_tensor.py): the kernel compiled with the 128-bit path alone takes 59-79 registers per thread instead
 # of 77-102 (sm_90, triton 3.9, every codegen case below; ptxas -v), 7-8 programs per SM instead of 5-6, with no
-# cap. Not yet timed on a GPU (bench/gpu_coded_tune.py: variant suffix "n" launches every chunk in one launch as
-# before, for the A/B). False: one launch of every chunk (FULL=False).
+# cap. H200, 2026-11-28 (bench/gpu_coded_tune.py, llama7b-layer, interleaved): 1.390 ms against 1.517 with every
+# chunk in one launch (variant suffix "n") for 8bit, 1.558 against 1.674 for 8bit+rem. False: one launch of every
+# chunk (FULL=False).
 SPLIT_FULL = True
 # The FULL launch with its loads one tile ahead (PIPELINE): the tile's loads are in flight during the previous
 # tile's arithmetic (the kernel is latency-bound, [Note: the coded kernel]) at the cost of the registers that
-# hold them. Not yet timed on a GPU (bench/gpu_coded_tune.py: variant suffix "p"); off until it is.
+# hold them. H200, 2026-11-28 (bench/gpu_coded_tune.py, variant suffix "p"): slower, 1.555 against 1.390 ms (8bit,
+# llama7b-layer) and 1.713 against 1.558 (8bit+rem); over 8 iterations 1.659 / 1.830. Off.
 PIPELINE_FULL = False
 
 

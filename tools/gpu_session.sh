@@ -82,7 +82,8 @@ fi
 # 4. the benchmark
 [ -n "${SKIP_BENCH:-}" ] && exit 0
 t0=$SECONDS
-timeout "$(left 5)" python3 bench/gpu.py --csv "$OUT/bench.csv" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+RESERVE=5; [ -n "${TUNE:-}" ] && RESERVE=150   # the tuning runs (4c) after the benchmark get their time
+timeout "$(left $RESERVE)" python3 bench/gpu.py --csv "$OUT/bench.csv" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
 echo "bench rc=$? in $((SECONDS - t0)) s"
 
 # 4b. the baseline package (BASE), same benchmark script, appended to bench.log
@@ -99,11 +100,11 @@ fi
 if [ -n "${TUNE:-}" ]; then
   t0=$SECONDS
   { echo "=== bench/gpu_coded_tune.py ${TUNE_ARGS:-}"
-    timeout "$(left 5)" python3 bench/gpu_coded_tune.py ${TUNE_ARGS:-}
+    timeout "$(left 70)" python3 bench/gpu_coded_tune.py ${TUNE_ARGS:-}
     # the fp32-state kernel's full-chunk launch (kernels/adam.py SPLIT_FULL, variant suffix "s"), both workloads
     for w in llama7b-layer gpt2-xl; do
       echo "=== bench/gpu_coded_tune.py --workload $w --modes fp32,bf16-master --variants 4x1024x4,4x1024x4s"
-      timeout "$(left 4)" python3 bench/gpu_coded_tune.py --workload "$w" --modes fp32,bf16-master \
+      timeout "$(left $([ $w = gpt2-xl ] && echo 4 || echo 35))" python3 bench/gpu_coded_tune.py --workload "$w" --modes fp32,bf16-master \
         --variants 4x1024x4,4x1024x4s
     done; } > "$OUT/tune.tmp" 2>&1
   echo "tune rc=$? in $((SECONDS - t0)) s"; grep -E "^\||FAILED" "$OUT/tune.tmp" | cut -c1-200
