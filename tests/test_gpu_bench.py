@@ -57,23 +57,30 @@ def test_coded_tune_variants_parse_and_set_the_kernel_module():
     tune = _bench_module("gpu_coded_tune")
     from zero_kernels.kernels import adam as A
     from zero_kernels.kernels import adam_coded as AC
-    assert tune.parse_variant("4x1024x4r80", None) == (4, 1024, 4, None, 80, True, False, False)
-    assert tune.parse_variant("4x1024x4r80n", None) == (4, 1024, 4, None, 80, False, False, False)
-    assert tune.parse_variant("8x2048x2p", None) == (8, 2048, 2, None, 0, True, True, False)
-    assert tune.parse_variant("4x1024x4s", None) == (4, 1024, 4, None, 0, True, False, True)
+    assert tune.parse_variant("4x1024x4r80", None) == (4, 1024, 4, None, 80, True, False, False, False)
+    assert tune.parse_variant("4x1024x4r80n", None) == (4, 1024, 4, None, 80, False, False, False, False)
+    assert tune.parse_variant("8x2048x2p", None) == (8, 2048, 2, None, 0, True, True, False, False)
+    assert tune.parse_variant("4x1024x4s", None) == (4, 1024, 4, None, 0, True, False, True, False)
+    assert tune.parse_variant("f16x2048x2s", None) == (16, 2048, 2, None, 0, True, False, True, True)
     for v in tune.DEFAULT_VARIANTS.split(","):
         tune.parse_variant(v, None)
     before = (AC.BLOCK, AC.ITERS, AC.CHUNK, AC.LAUNCH_OPTIONS, AC.Q8_MAXNREG, AC.SPLIT_FULL, AC.PIPELINE_FULL,
-              AC.fused_adam_coded_kernel, A.SPLIT_FULL)
+              AC.fused_adam_coded_kernel, A.SPLIT_FULL, A.BLOCK, A.ITERS, A.CHUNK, A.LAUNCH_OPTIONS)
     try:
         tune.set_variant(*tune.parse_variant("8x2048x2r72p", None))
         assert (AC.BLOCK, AC.ITERS, AC.CHUNK, AC.LAUNCH_OPTIONS["num_warps"], AC.Q8_MAXNREG, AC.SPLIT_FULL,
                 AC.PIPELINE_FULL, A.SPLIT_FULL) == (2048, 2, 4096, 8, 72, True, True, False)
+        fp32_shape = (A.BLOCK, A.ITERS, A.LAUNCH_OPTIONS["num_warps"])
         tune.set_variant(*tune.parse_variant("4x1024x4s", None))
         assert A.SPLIT_FULL and not AC.PIPELINE_FULL
+        assert (A.BLOCK, A.ITERS, A.LAUNCH_OPTIONS["num_warps"]) == fp32_shape     # without "f": its own shape
+        tune.set_variant(*tune.parse_variant("f16x2048x2", None))
+        assert (A.BLOCK, A.ITERS, A.CHUNK, A.LAUNCH_OPTIONS["num_warps"], A.SPLIT_FULL) == (2048, 2, 4096, 16, False)
+        tune.set_variant(*tune.parse_variant("4x1024x4", None))
+        assert (A.BLOCK, A.ITERS, A.LAUNCH_OPTIONS["num_warps"]) == fp32_shape     # restored
     finally:
         (AC.BLOCK, AC.ITERS, AC.CHUNK, AC.LAUNCH_OPTIONS, AC.Q8_MAXNREG, AC.SPLIT_FULL, AC.PIPELINE_FULL,
-         AC.fused_adam_coded_kernel, A.SPLIT_FULL) = before
+         AC.fused_adam_coded_kernel, A.SPLIT_FULL, A.BLOCK, A.ITERS, A.CHUNK, A.LAUNCH_OPTIONS) = before
 
 
 @pytest.mark.parametrize("mode", ["8bit+rem", "fp32"])
@@ -88,8 +95,8 @@ def test_coded_tune_variants_compute_the_same_bits(mode):
     from zero_kernels.kernels import adam as A
     from zero_kernels.kernels import adam_coded as AC
     before = (AC.BLOCK, AC.ITERS, AC.CHUNK, AC.LAUNCH_OPTIONS, AC.Q8_MAXNREG, AC.SPLIT_FULL, AC.PIPELINE_FULL,
-              AC.fused_adam_coded_kernel, A.SPLIT_FULL)
-    names = tune.DEFAULT_VARIANTS.split(",") if mode != "fp32" else ["4x1024x4", "4x1024x4s"]
+              AC.fused_adam_coded_kernel, A.SPLIT_FULL, A.BLOCK, A.ITERS, A.CHUNK, A.LAUNCH_OPTIONS)
+    names = tune.DEFAULT_VARIANTS.split(",") if mode != "fp32" else ["4x1024x4", "4x1024x4s", "f4x512x8", "f16x2048x2s"]
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     try:
         want = None
@@ -105,4 +112,4 @@ def test_coded_tune_variants_compute_the_same_bits(mode):
     finally:
         sys.path.pop(0)
         (AC.BLOCK, AC.ITERS, AC.CHUNK, AC.LAUNCH_OPTIONS, AC.Q8_MAXNREG, AC.SPLIT_FULL, AC.PIPELINE_FULL,
-         AC.fused_adam_coded_kernel, A.SPLIT_FULL) = before
+         AC.fused_adam_coded_kernel, A.SPLIT_FULL, A.BLOCK, A.ITERS, A.CHUNK, A.LAUNCH_OPTIONS) = before
