@@ -98,12 +98,29 @@ def _bf16_param(n: int) -> nn.Parameter:
     return p
 
 
+START_STEP = 0   # --step: every row's step counters are set to it after its first step (0: left as they are)
+
+
+def _start_at(opt: torch.optim.Optimizer) -> None:
+    """The step counters of ``opt``'s states set to START_STEP (a run resumed mid-training: the bias corrections
+    near 1; past beta2^t < 2^-24 the C++ coded steps multiply instead of dividing by bc2, [Note: a power-of-two
+    bias correction divides by multiplying] in csrc/cpu_adam_coded_simd.h)."""
+    if not START_STEP:
+        return
+    for st in opt.state.values():
+        if isinstance(st.get("step"), torch.Tensor):
+            st["step"].fill_(START_STEP)
+        elif "step" in st:
+            st["step"] = START_STEP
+
+
 def zk_row(fmt: dict, backend: str):
     def build(n):
         import zero_kernels as zk
         p = _bf16_param(n)
         opt = zk.FusedAdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, backend=backend, **fmt)
         opt.step()                       # creates the state (and raises if the backend cannot run it)
+        _start_at(opt)
         return opt.step, state_nbytes(opt)
     return build
 
@@ -122,6 +139,7 @@ def pipeline_row(make_opt: Callable):
             with torch.no_grad():
                 p16.copy_(master)
         step()
+        _start_at(opt)
         return step, state_nbytes(opt, extra=(master,))
     return build
 
@@ -132,6 +150,7 @@ def direct_row(make_opt: Callable):
         p = _bf16_param(n)
         opt = make_opt([p])
         opt.step()
+        _start_at(opt)
         return opt.step, state_nbytes(opt)
     return build
 
@@ -203,6 +222,9 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--backend", default="cpu", choices=["cpu", "reference", "triton"],
                     help="zero_kernels backend of the zk rows (the product on CPU is 'cpu')")
+    ap.add_argument("--step", type=nonnegative_int, default=0,
+                    help="time the steps after this one (every row's step counters set to it after its first step; "
+                         "0: from step 2 on, a run's start)")
     ap.add_argument("--setup", action="store_true", help="pip install the pinned anchors and exit")
     ap.add_argument("--only", default=None, help="comma-separated substrings: run only matching rows "
                     "(the zk fp32 states baseline always runs)")
@@ -210,6 +232,8 @@ def main(argv=None) -> None:
     if args.setup:
         sys.exit(setup())
     torch.set_num_threads(args.threads)
+    global START_STEP
+    START_STEP = args.step
     n = -(-args.n // 256) * 256
     versions = [f"torch {torch.__version__}"]
     for mod in ("bitsandbytes", "torchao"):
@@ -220,7 +244,7 @@ def main(argv=None) -> None:
     print(f"{cpu_model()}, {args.threads} threads, {time.strftime('%Y-%m-%d')}, load average {loadavg()}; "
           f"{', '.join(versions)}")
     print(f"N = {n:,}, bf16 grad in, bf16 param out; {args.rounds} interleaved rounds after {args.warmup} warm-up, "
-          f"medians", flush=True)
+          f"medians" + (f"; steps after step {args.step}" if args.step else ""), flush=True)
     rs = rows(args.backend)
     if args.only:
         rs = rs[:1] + [r for r in rs[1:] if any(w in r.name for w in args.only.split(","))]

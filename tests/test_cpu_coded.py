@@ -34,7 +34,11 @@ SIZES = [1, 255, 256, 257, 1000, 5000, 70001]
 LAYOUTS = {"remainder": (BF, True), "bf16+master": (BF, False), "fp16+master": (F16, False), "fp32": (F32, False)}
 HP = {"adamw": dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=True),
       "l2+max": dict(lr=3e-3, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.03, adamw=False, maximize=True),
-      "l2": dict(lr=2e-3, beta1=0.9, beta2=0.995, eps=1e-7, weight_decay=0.05, adamw=False)}
+      "l2": dict(lr=2e-3, beta1=0.9, beta2=0.995, eps=1e-7, weight_decay=0.05, adamw=False),
+      # [Note: a power-of-two bias correction divides by multiplying] (csrc/cpu_adam_coded_simd.h): at step 1
+      # bc2 = sqrt(1 - 0.75) = 0.5 (then not a power of two); with beta2 = 1e-8, bc2 rounds to 1.0 at every step
+      "bc2=0.5": dict(lr=1e-2, beta1=0.9, beta2=0.75, eps=1e-8, weight_decay=0.1, adamw=True),
+      "bc2=1": dict(lr=1e-2, beta1=0.9, beta2=1e-8, eps=1e-8, weight_decay=0.01, adamw=True)}
 
 
 def bits(t):
@@ -323,6 +327,9 @@ ISA_SCRIPT = textwrap.dedent("""
             for k in sorted(s):
                 h.update(T.bits(s[k]).numpy().tobytes())
         out[f"{{m}}/{{v}}/{{layout}}"] = h.hexdigest()
+    for hp in ("bc2=0.5", "bc2=1"):     # the bias correction's division as a multiply, on this path
+        T.check("remainder", T.U8, T.U8, gdt=T.BF, hp=hp, steps=2, sizes=[1, 257, 5000])
+        T.check("fp32", T.BF, T.U8, hp=hp, steps=2, sizes=[1, 257, 5000])
     print(json.dumps(out))
 """)
 
