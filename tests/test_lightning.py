@@ -150,6 +150,15 @@ def test_validate_test_predict_evaluate_the_checkpoint_weights(runs):
     assert z3["test_best"] == pytest.approx(l2, rel=1e-5), z3["test_best"]              # step 4 -> step 2
 
 
+def test_fit_twice_on_one_trainer(runs):
+    """fit() again on the same Trainer and module ([Note: one ZeroAdamW per parameter]): it used to build a second
+    ZeroAdamW on a module whose first one's hooks still fired. Stage 1: the first is detached and the new one
+    takes the trained parameters (max_steps is reached: nothing changes); stage 3: refused, naming the fix."""
+    assert runs["z1"]["refit"] is None and not runs["z1"]["refit_changed"], runs["z1"]["refit"]
+    assert runs["z3"]["refit"].startswith("ERROR ValueError: fit() again on a Trainer whose ZeroStrategy(stage=3)")
+    assert not runs["z3"]["refit_changed"]
+
+
 def test_registered_names_and_errors():
     import zero_kernels.integrations.lightning as zl
     from zero_kernels.integrations._translate import to_zero_optimizer

@@ -668,6 +668,43 @@ def test_bad_input_single_process():
         opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))]})
 
 
+def test_one_zero_optimizer_per_model_single_process():
+    """[Note: one ZeroAdamW per parameter]: a second ZeroAdamW on a model that another one still manages is
+    refused before anything changes (it used to bind the parameters again while the first one's hooks fired);
+    after remove_hooks() a new one takes the trained parameters (stages 1-2) or says they are empty (stage 3);
+    a deep copy of a managed model is no optimizer's."""
+    idx, tgt = batch(0, 1)
+    for stage in (1, 2, 3):
+        model = make_model()
+        z1 = zk.ZeroAdamW(model, stage=stage, backend="reference")
+        loss_fn(model, idx, tgt).backward()
+        z1.step()
+        z1.zero_grad()
+        ptrs = [p.data_ptr() for p in model.parameters()]
+        with pytest.raises(ValueError, match=rf"parameter '.*' is already managed by a ZeroAdamW \(stage {stage}\) "
+                                             r"built on this model.*remove_hooks\(\)"):
+            zk.ZeroAdamW(model, stage=2, backend="reference")
+        assert [p.data_ptr() for p in model.parameters()] == ptrs                   # nothing changed
+        copied = copy.deepcopy(model) if stage < 3 else None
+        loss_fn(model, idx, tgt).backward()                                         # the first still trains
+        z1.step()
+        z1.zero_grad()
+        assert max(z1.steps) == 2
+        z1.remove_hooks()
+        if stage == 3:
+            with pytest.raises(ValueError, match="is empty: a ZeroAdamW at stage 3 sharded this model"):
+                zk.ZeroAdamW(model, stage=3, backend="reference")
+            continue
+        trained = [p.detach().clone() for p in model.parameters()]
+        z2 = zk.ZeroAdamW(model, stage=stage, backend="reference")                  # takes the trained values
+        assert all(torch.equal(a, p) for a, p in zip(trained, model.parameters()))
+        loss_fn(model, idx, tgt).backward()
+        z2.step()
+        assert not all(torch.equal(a, p) for a, p in zip(trained, model.parameters()))
+        z2.remove_hooks()
+        zk.ZeroAdamW(copied, stage=stage, backend="reference").remove_hooks()      # the copy: no claim
+
+
 def _memory_worker(rank, world, psi_layers):
     def rss():
         with open("/proc/self/status") as f:

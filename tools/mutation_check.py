@@ -82,6 +82,7 @@ SUITES = {
     # ZeRO-1/2 parity at worlds 1-4 (clip, no_sync, groups, bf16, Adam+amsgrad, tied/unused/rank-unused
     # parameters) plus the focused cases of tests/test_zero_faults.py
     "zero12": ["tests/test_zero_faults.py", "tests/test_zero.py::test_parity_world"],
+    "zero_owner": ["tests/test_zero.py::test_one_zero_optimizer_per_model_single_process"],
     # ZeRO-3 parity at world 2 (its units' gathers, checkpointed regions, rank-dependent parameters)
     "zero3": ["tests/test_zero3.py::test_zero3_world[2]"],
     # hybrid sharding (2x2, 4x1, 1x4 meshes and odd sizes) against one-process AdamW
@@ -384,6 +385,11 @@ FAULTS = [
      "wire_cpu", "C++ encoder: bf16 tail elements read as zero"),
 
     # --- the ZeRO layer: gradient averaging and data movement
+    ("zero.owner_check_skipped", "zero_kernels/zero/build.py", "error = owner_error(mp.uniq) or model_error(",
+     "error = None or model_error(", "zero_owner",
+     "a second ZeroAdamW binds a model the first still manages ([Note: one ZeroAdamW per parameter])"),
+    ("zero.owner_release_skipped", "zero_kernels/zero/optimizer.py", "release(self._claimed, self._claim)", "pass",
+     "zero_owner", "remove_hooks() leaves the claim: the model can never take a new ZeroAdamW"),
     ("zero.rs_divides_twice", ZC, "output.div_(n)", "output.div_(n * n)", "zero12",
      "gloo reduce-scatter divides the sum by the world size twice"),
     ("zero.rs_drops_a_peer", ZC, "for b in bufs[1:]:", "for b in bufs[2:]:", "zero12",

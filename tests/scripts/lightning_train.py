@@ -149,6 +149,11 @@ def main():
                                                          verbose=False)[0]["test_loss"])
     if a.evaluate:
         res["eval"], res["resume"] = evaluate(a)
+    if a.strategy.startswith("zk_"):        # fit() again on the same Trainer and module (max_steps is reached)
+        full_now = lambda: trainer.strategy.optimizers[0].full_model_state_dict()  # noqa: E731 (collective)
+        before = full_now()
+        res["refit"] = _attempt(lambda: trainer.fit(module, _loader()))
+        res["refit_changed"] = any(not torch.equal(before[k], v) for k, v in full_now().items())
     if trainer.global_rank == 0:
         torch.save(res, a.out)
     exit_cleanly()

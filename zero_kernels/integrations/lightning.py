@@ -116,10 +116,21 @@ class ZeroStrategy(DDPStrategy):
         super().setup(trainer)
 
     def setup_optimizers(self, trainer) -> None:
+        # fit() again on this Trainer: the previous fit's ZeroAdamW still manages the module ([Note: one
+        # ZeroAdamW per parameter] in zero/ownership.py). Stages 1-2: detached, its parameters (trained) go to
+        # the new one, with fresh optimizer states as DDP's re-fit has; stage 3 left them sharded: refused.
+        prev = self._module_optimizer()
+        if prev is not None and prev.stage == 3:
+            raise ValueError("fit() again on a Trainer whose ZeroStrategy(stage=3) sharded this module in an earlier "
+                             "fit: its parameters live in that fit's ZeroAdamW shards. Save a checkpoint "
+                             "(trainer.save_checkpoint) and fit a new Trainer and module with ckpt_path=, or use "
+                             "stage 1 or 2")
         super().setup_optimizers(trainer)
         if len(self.optimizers) != 1:
             raise ValueError(f"the zk strategies take exactly one optimizer from configure_optimizers, "
                              f"got {len(self.optimizers)}")
+        if prev is not None:
+            prev.remove_hooks()
         old = self.optimizers[0]
         zopt = to_zero_optimizer(old, self.lightning_module, self.stage, self.zero_kwargs)
         repoint_schedulers([cfg.scheduler for cfg in self.lr_scheduler_configs], old, zopt)

@@ -15,6 +15,7 @@ from .agreement import check_same_everywhere, join_barrier, raise_if_failed, sig
 from .coded import format_error
 from .config import ZeroConfig
 from .mesh import ZeroMesh, broadcast_from_first
+from .ownership import owner_error
 from .params import (HPARAM_KEYS, ModelParams, model_error, plain, read_model, resolve_groups,
                      sparse_module_error)
 from .timeouts import timeout_scope
@@ -48,7 +49,8 @@ def plan(model: nn.Module, cfg: ZeroConfig, defaults: dict, param_groups, mesh: 
                          "only on the ranks of its data-parallel group")
     mp = read_model(model)
     groups, group_of, group_err = resolve_groups(param_groups, mp, defaults)
-    error = model_error(mp.trainable, cfg.param_dtype) or sparse_module_error(model, mp) or group_err \
+    error = owner_error(mp.uniq) or model_error(mp.trainable, cfg.param_dtype) or sparse_module_error(model, mp) \
+        or group_err \
         or format_error(cfg, mp.trainable, [{**defaults, **g} for g in groups])
     device = mp.trainable[0][1].device if mp.trainable else torch.device("cpu")
     backend, coded = cfg.backend, None

@@ -16,6 +16,7 @@ from .buckets import check_amsgrad, check_bound
 from .build import bind, plan
 from .config import ZeroConfig
 from .mesh import resolve_mesh
+from .ownership import claim, release
 from .params import check_frozen
 from .scaling import StepScaling
 from .stage3 import Stage3
@@ -82,6 +83,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._coded_backend = plan_.coded_backend       # [Note: coded ZeRO states] (coded.py)
         # ---- 5. bind: parameters become views of the buckets, hooks registered ----------------------
         self.buckets = bind(plan_, cfg, strategy_cls, any(g["amsgrad"] for g in self.param_groups))
+        self._claimed = [p for _, p in plan_.params.trainable]          # [Note: one ZeroAdamW per parameter]
+        self._claim = claim(self._claimed, type(self).__name__, cfg.stage)
         self._frozen_named = plan_.params.frozen        # unfrozen since and given a gradient: refused
         self.steps = [0] * len(self.layout.params)      # per parameter, like torch's state["step"]
         ctx = StrategyContext(model, self.buckets, self.layout, [p for _, p in self._frozen_named], cfg,
@@ -353,8 +356,11 @@ class ZeroAdamW(torch.optim.Optimizer):
         empty_gather_cache()
 
     def remove_hooks(self) -> None:
-        """Detach the optimizer from the module (gradient and forward hooks); it cannot step after."""
+        """Detach the optimizer from the module (gradient and forward hooks); it cannot step after. At stages
+        1-2 the parameters keep their values and another ZeroAdamW may take them; at stage 3 they stay empty
+        ([Note: one ZeroAdamW per parameter] in ownership.py)."""
         self.strategy.remove()
+        release(self._claimed, self._claim)
 
 
 class ZeroAdam(ZeroAdamW):
