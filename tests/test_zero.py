@@ -694,6 +694,9 @@ def test_one_zero_optimizer_per_model_single_process():
         if stage == 3:
             with pytest.raises(ValueError, match="is empty: a ZeroAdamW at stage 3 sharded this model"):
                 zk.ZeroAdamW(model, stage=3, backend="reference")
+            with pytest.raises(RuntimeError, match=r"after ZeroAdamW\(stage=3\).remove_hooks\(\): the parameters "
+                                                   r"are empty"):
+                model.state_dict()                  # would be 0-element weights (torch.save, save_pretrained)
             continue
         trained = [p.detach().clone() for p in model.parameters()]
         z2 = zk.ZeroAdamW(model, stage=stage, backend="reference")                  # takes the trained values

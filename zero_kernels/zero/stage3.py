@@ -270,5 +270,19 @@ class Stage3(HookReduced):
 
     def remove(self) -> None:
         self._state_dict_hook.remove()
+        # the parameters stay empty after remove_hooks() ([Note: one ZeroAdamW per parameter]): the module's
+        # own state_dict keeps refusing, else torch.save(model.state_dict()) would write 0-element weights
+        self._state_dict_hook = self.ctx.model.register_state_dict_pre_hook(_detached_guard)
         self.runtime.remove()
         self.reducer.remove()
+
+
+def _detached_guard(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """[Note: the module's own state_dict at stage 3], after ``remove_hooks()``: nothing gathers the
+    parameters any more, so ``model.state_dict()`` would return their 0-element placeholders for good."""
+    if keep_vars:
+        return
+    raise RuntimeError(
+        "model.state_dict() after ZeroAdamW(stage=3).remove_hooks(): the parameters are empty (0-element "
+        "placeholders); their values live only in that optimizer's shards. Take zopt.full_model_state_dict() "
+        "(collective: every rank) or save a checkpoint before remove_hooks(), and load it into a fresh model")
