@@ -717,7 +717,9 @@ def _module_state_dict_case(rank, world, out):
     for k in sd:
         assert sd[k].numel() > 0 and torch.equal(sd[k], full[k].to(sd[k].dtype)), k
     zopt.remove_hooks()
-    assert model.state_dict() is not None           # hooks removed: plain torch behaviour again
+    assert set(model.state_dict(keep_vars=True))
+    with pytest.raises(RuntimeError, match=r"after ZeroAdamW\(stage=3\).remove_hooks\(\)"):
+        model.state_dict()      # still 0-element placeholders after remove_hooks(): refused for good
 
 
 def test_module_state_dict_under_stage3_world2(tmp_path):
