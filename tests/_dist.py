@@ -35,7 +35,13 @@ def _package_file() -> str:
     return os.path.abspath(zero_kernels.__file__)
 
 
-def _entry(rank, world_size, port, fn, args, err_q, collective_timeout, parent_package):
+def _entry(rank, world_size, port, fn, args, err_q, collective_timeout, parent_package, side_env):
+    # Everything imported before the fork (the fork server's preload) is never garbage: out of the collector's
+    # sight, the teardown's gc.collect() takes ~10 ms instead of ~0.3 s.
+    gc.freeze()
+    for k in [k for k in os.environ if k.startswith(_SIDE_EFFECT)]:
+        del os.environ[k]
+    os.environ.update(side_env)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -86,13 +92,19 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0, collective_tim
 # ~1 s instead of ~3.5 s on 2 cores; tests/test_zeropp.py + test_zero_safety.py 145-153 s instead of 170-173.
 # torch._dynamo: torch.optim.Optimizer.add_param_group is wrapped by torch._disable_dynamo, which imports
 # torch._dynamo at its first call: every rank's first optimizer paid ~2-3 s of CPU (most of a small world's time).
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "triton", "zero_kernels"]
+# zero_kernels.zero (imported by a rank's first ZeroAdamW): ~0.3 s of every world.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "triton", "zero_kernels", "zero_kernels.zero"]
 _server_env: dict | None = None
+# Variables torch sets in this process as a side effect of torch.compile (the inductor's cache directory, its
+# compile-pool switches). Read when used, not when a process starts or imports: a change of them keeps the fork
+# server (it made every world after the first compile a spawned one, ~3 s more each: two fresh interpreters
+# importing torch), and each rank gets this process's current values (_entry).
+_SIDE_EFFECT = ("TORCHINDUCTOR_", "_TORCHINDUCTOR_", "TORCH_WARM_POOL")
 
 
 def _env() -> dict:
-    """os.environ as a rank must see it (pytest's per-test PYTEST_CURRENT_TEST aside)."""
-    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    """os.environ as a rank must see it at its start (pytest's PYTEST_CURRENT_TEST and _SIDE_EFFECT aside)."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST" and not k.startswith(_SIDE_EFFECT)}
 
 
 def _context():
@@ -104,7 +116,17 @@ def _context():
     if _server_env is None:
         _server_env = _env()
         mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
-    return mp.get_context("forkserver" if _env() == _server_env else "spawn")
+    env = _env()
+    if env == _server_env:
+        return mp.get_context("forkserver")
+    changed = sorted(k for k in set(env) | set(_server_env) if env.get(k) != _server_env.get(k))
+    SPAWNED.append((os.environ.get("PYTEST_CURRENT_TEST", "?"), changed))
+    return mp.get_context("spawn")
+
+
+# (test, changed variables) of every world spawned instead of forked: ~3 s more each; conftest prints them at
+# the end of a run, so a variable set as a side effect (see _SIDE_EFFECT) shows instead of slowing CI silently.
+SPAWNED: list[tuple[str, list[str]]] = []
 
 
 def _run_world(fn, world_size: int, *args, timeout: float = 180.0, collective_timeout: float = 60.0) -> None:
@@ -114,7 +136,8 @@ def _run_world(fn, world_size: int, *args, timeout: float = 180.0, collective_ti
     procs = []
     for r in range(world_size):
         p = ctx.Process(target=_entry, daemon=True,
-                        args=(r, world_size, port, fn, args, err_q, collective_timeout, _package_file()))
+                        args=(r, world_size, port, fn, args, err_q, collective_timeout, _package_file(),
+                              {k: v for k, v in os.environ.items() if k.startswith(_SIDE_EFFECT)}))
         p.start()
         procs.append(p)
     deadline = time.monotonic() + timeout
@@ -125,7 +148,8 @@ def _run_world(fn, world_size: int, *args, timeout: float = 180.0, collective_ti
             if time.monotonic() > deadline:
                 raise TimeoutError(f"world of {world_size} processes did not finish within {timeout:.0f} s")
             time.sleep(0.05)
-        time.sleep(0.2)
+        if any(p.is_alive() for p in procs):
+            time.sleep(0.2)             # a rank failed: the others' reports may follow
         if not err_q.empty():
             rank, tb = err_q.get()
             raise RuntimeError(f"rank {rank} of {world_size} failed:\n{tb}")

@@ -25,6 +25,7 @@ import runpy
 import numpy as np
 import pytest
 import torch
+from torch import Tensor
 
 from zero_kernels import backends
 from zero_kernels.reference import compute_coeffs, fused_adam_ref, moment_coeffs
@@ -79,6 +80,36 @@ def test_betas_are_discriminating():
     f = np.float32
     assert f(1.0 - BETA2) != f(1.0) - f(BETA2)
     assert moment_coeffs(BETA1, BETA2) == (1.0 - BETA1, 1.0 - BETA2)
+
+
+def _coeffs_torch_scalar(t: float, lr: float, b1: float, b2: float, wd: float, adamw: bool) -> Tensor:
+    """compute_coeffs' tensor expression on one CPU step count (torch's scalar pow: libm's, as torch.optim's
+    Python ``beta ** step`` and its fused CPU kernel's std::pow)."""
+    s = torch.tensor([t], dtype=torch.float64)
+    bc1, bc2 = 1 - torch.pow(b1, s), 1 - torch.pow(b2, s)
+    step_size = lr / bc1
+    decay = torch.full_like(step_size, 1 - lr * wd) if adamw else torch.ones_like(step_size)
+    return torch.stack([step_size, bc2.sqrt(), decay], dim=1).to(torch.float32)
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.8, 0.95), (0.5, 0.75), (0.0, 0.0), (0.9, 0.9999)])
+def test_compute_coeffs_cpu_double_path_equals_the_tensor_expression(betas):
+    """CPU steps with a float lr take Python doubles (host time); every bit equals the tensor expression per
+    step count, the edge cases included: a step count of 0 (found_inf skipped the first step: inf / NaN),
+    lr 0, negative, NaN or inf, a NaN count. Counts from 0 to past 10^5, one and several per call."""
+    b1, b2 = betas
+    counts = [0.0, 1.0, 2.0, 3.0, 17.0, 255.0, 1000.0, 16607.0, 99999.0, 1e6, float("nan")]
+    counts += [float(c) for c in torch.randint(1, 200_000, (40,), generator=torch.Generator().manual_seed(7))]
+    for lr in (1e-3, 3e-4, 0.1, 0.0, -1e-3, float("nan"), float("inf")):
+        for adamw in (True, False):
+            want = torch.cat([_coeffs_torch_scalar(t, lr, b1, b2, 0.01, adamw) for t in counts])
+            got = compute_coeffs(torch.tensor(counts), lr, b1, b2, 0.01, adamw)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (lr, adamw)
+            one = torch.cat([compute_coeffs([torch.tensor(t)], lr, b1, b2, 0.01, adamw) for t in counts])
+            assert torch.equal(one.view(torch.int32), want.view(torch.int32)), (lr, adamw)
+    # not vacuous: finite, distinct step sizes across the counts at lr 1e-3
+    sizes = compute_coeffs(torch.tensor(counts[1:6]), 1e-3, b1, b2, 0.01, True)[:, 0]
+    assert torch.isfinite(sizes).all() and (b1 == 0.0 or len(set(sizes.tolist())) == 5)
 
 
 @needs_interpreter

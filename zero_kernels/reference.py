@@ -52,6 +52,8 @@ Bytes moved per element (the GB/s denominators used by every benchmark):
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -69,10 +71,22 @@ def compute_coeffs(steps: list[Tensor] | Tensor, lr: float | Tensor, beta1: floa
                    weight_decay: float, adamw: bool, device: torch.device | None = None) -> Tensor:
     """[T, 3] fp32 (step_size, bc2_sqrt, decay) from the per-tensor (already incremented) steps.
 
-    Torch ops only (no ``.item()``): capturable when the steps and lr live on the device. The
-    arithmetic is done in fp64 when the steps are on the CPU, like torch's Python-float path.
+    Device steps: torch ops only (no ``.item()``), capturable when the steps and lr live on the device.
+    CPU steps: the arithmetic is done in fp64, like torch's Python-float path (``beta ** step``); with a
+    float lr in Python doubles, one row per distinct count (``_coeffs_double``), else in fp64 tensor ops.
     """
     s = steps if isinstance(steps, Tensor) else torch.stack([t.reshape(()) for t in steps])
+    if s.device.type == "cpu" and not isinstance(lr, Tensor) and not torch.compiler.is_compiling():
+        # CPU steps, a float lr: Python doubles, one row per distinct step count (the ~12 tiny tensor ops
+        # below cost ~50 us of host time per launch). The same IEEE double operations (torch's scalar pow
+        # is libm's pow, as Python's; tests/test_numerics.py checks the two paths bit for bit).
+        rows: dict[float, tuple[float, float, float]] = {}
+        vals = s.reshape(-1).tolist()
+        for t in vals:
+            if t not in rows:
+                rows[t] = _coeffs_double(t, float(lr), float(beta1), float(beta2), weight_decay, adamw)
+        out = torch.tensor([rows[t] for t in vals], dtype=torch.float32).reshape(-1, 3)
+        return out if device is None else out.to(device, non_blocking=True)
     s = s.to(torch.float64 if s.device.type == "cpu" else torch.float32)
     # Python-float operands (never torch.tensor(x, device=...)): a host->device copy would block the
     # host and cannot be captured in a CUDA graph.
@@ -88,6 +102,21 @@ def compute_coeffs(steps: list[Tensor] | Tensor, lr: float | Tensor, beta1: floa
         decay = torch.full_like(step_size, 1 - lr_t * weight_decay)
     out = torch.stack([step_size, bc2.sqrt(), decay], dim=1).to(torch.float32)
     return out if device is None else out.to(device, non_blocking=True)
+
+
+def _coeffs_double(t: float, lr: float, beta1: float, beta2: float, weight_decay: float,
+                   adamw: bool) -> tuple[float, float, float]:
+    """compute_coeffs' row for one step count ``t`` in Python doubles, IEEE results included where Python
+    would raise: a zero bias correction (the count of a step that found_inf skipped before any was taken)
+    gives +-inf, or the machine's default NaN (``inf - inf``, as 0 / 0 and sqrt(-x) give it)."""
+    bc1 = 1 - beta1 ** t
+    bc2 = 1 - beta2 ** t
+    if bc1 != 0 or lr != lr:
+        step_size = lr / bc1 if bc1 != 0 else lr
+    else:
+        step_size = math.copysign(math.inf, lr) if lr != 0 else math.inf - math.inf
+    bc2_sqrt = math.sqrt(bc2) if bc2 >= 0 else (bc2 if bc2 != bc2 else math.inf - math.inf)
+    return step_size, bc2_sqrt, 1 - lr * weight_decay if adamw else 1.0
 
 
 def sqrt_rn(x: Tensor) -> Tensor:
