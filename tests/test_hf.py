@@ -59,6 +59,21 @@ def test_zero_trainer_matches_ddp_trainer_and_resumes(tmp_path):
     assert _max_diff(ck, z3) > 1e-3
 
 
+def test_train_twice_on_one_zero_trainer_matches_the_plain_trainer(tmp_path):
+    """A second trainer.train() on the same ZeroTrainer (a notebook cell run again) reuses its ZeroAdamW, states
+    included, with a fresh schedule, as the plain Trainer reuses its AdamW: the same losses and final weights."""
+    ddp, ddp_info = _run(tmp_path, "ddp", 3, "ddp", "--twice")
+    z2, z2_info = _run(tmp_path, "zero2", 3, "z2", "--twice")
+    def losses(info, key):
+        return [e["loss"] for e in info[key] if "loss" in e]
+    for key in ("first_log", "log"):
+        want = losses(ddp_info, key)
+        assert len(want) == 3 and losses(z2_info, key) == pytest.approx(want, rel=1e-5)
+    assert _max_diff(ddp, z2) < 2e-5
+    # the second run went on from the first one's weights (a restart would repeat its first loss)
+    assert losses(z2_info, "log")[0] < losses(z2_info, "first_log")[0] - 0.05
+
+
 def test_zero_trainer_refuses_a_loss_scale():
     """Trainer never multiplies the loss by zopt.scale_loss: a ZeroAdamW loss_scale would divide gradients that
     were never scaled (grad norms 65536x small, clipping and the update off). Refused at construction."""

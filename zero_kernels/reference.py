@@ -80,12 +80,15 @@ def compute_coeffs(steps: list[Tensor] | Tensor, lr: float | Tensor, beta1: floa
         # CPU steps, a float lr: Python doubles, one row per distinct step count (the ~12 tiny tensor ops
         # below cost ~50 us of host time per launch). The same IEEE double operations (torch's scalar pow
         # is libm's pow, as Python's; tests/test_numerics.py checks the two paths bit for bit).
-        rows: dict[float, tuple[float, float, float]] = {}
-        vals = s.reshape(-1).tolist()
-        for t in vals:
-            if t not in rows:
-                rows[t] = _coeffs_double(t, float(lr), float(beta1), float(beta2), weight_decay, adamw)
-        out = torch.tensor([rows[t] for t in vals], dtype=torch.float32).reshape(-1, 3)
+        flat = s.reshape(-1)
+        first = flat[:1]
+        if bool((flat == first).all()):          # one count (the usual case): one row, repeated
+            counts, inverse = first, None
+        else:
+            counts, inverse = torch.unique(flat, return_inverse=True)
+        table = torch.tensor([_coeffs_double(t, float(lr), float(beta1), float(beta2), weight_decay, adamw)
+                              for t in counts.tolist()], dtype=torch.float32).reshape(-1, 3)
+        out = table.expand(flat.numel(), 3).contiguous() if inverse is None else table[inverse]
         return out if device is None else out.to(device, non_blocking=True)
     s = s.to(torch.float64 if s.device.type == "cpu" else torch.float32)
     # Python-float operands (never torch.tensor(x, device=...)): a host->device copy would block the

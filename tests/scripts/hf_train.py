@@ -1,10 +1,10 @@
 """A Hugging Face training script as a user writes it, run under torchrun by tests/test_hf.py:
 
-    torchrun --nproc-per-node 2 hf_train.py MODE STEPS OUT_DIR [--resume CKPT]
+    torchrun --nproc-per-node 2 hf_train.py MODE STEPS OUT_DIR [--resume CKPT] [--twice]
 
 MODE: "ddp" (the plain Trainer with torch AdamW, wrapped in DDP by accelerate) or "zero2"/"zero3"
 (ZeroTrainer). A tiny GPT-2 (tied embeddings) from a config; random token data; rank 0 saves the final
-weights with save_model (save_pretrained) into OUT_DIR/final.
+weights with save_model (save_pretrained) into OUT_DIR/final. --twice: trainer.train() a second time.
 """
 import argparse
 import os
@@ -38,6 +38,7 @@ def main():
     ap.add_argument("steps", type=int)
     ap.add_argument("out")
     ap.add_argument("--resume")
+    ap.add_argument("--twice", action="store_true", help="train() a second time on the same Trainer")
     a = ap.parse_args()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_positions=16, n_embd=32, n_layer=2, n_head=2,
@@ -51,10 +52,14 @@ def main():
     else:
         trainer = ZeroTrainer(model=model, args=args, train_dataset=Tokens(), zero_stage=int(a.mode[-1]))
     trainer.train(resume_from_checkpoint=a.resume)
+    first_log = list(trainer.state.log_history)
+    if a.twice:     # a notebook's second trainer.train(): the same optimizer (and states), a new schedule
+        trainer.train()
     trainer.save_model(os.path.join(a.out, "final"))
     if trainer.args.should_save:
         wrapped = type(trainer.model_wrapped).__name__
-        torch.save({"wrapped": wrapped, "log": trainer.state.log_history}, os.path.join(a.out, "info.pt"))
+        torch.save({"wrapped": wrapped, "log": trainer.state.log_history, "first_log": first_log},
+                   os.path.join(a.out, "info.pt"))
     exit_cleanly()
 
 
