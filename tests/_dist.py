@@ -107,6 +107,11 @@ def _env() -> dict:
     return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST" and not k.startswith(_SIDE_EFFECT)}
 
 
+def _side_env() -> dict:
+    """The _SIDE_EFFECT variables of os.environ: each rank sets them as they are here (_entry)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(_SIDE_EFFECT)}
+
+
 def _context():
     """The "forkserver" context (its server started with this process's environment at the first world, and
     the imports of _PRELOAD done there), while the environment is still that one; "spawn" once a test has
@@ -134,10 +139,10 @@ def _run_world(fn, world_size: int, *args, timeout: float = 180.0, collective_ti
     err_q = ctx.SimpleQueue()
     port = free_port()
     procs = []
+    package, side_env = _package_file(), _side_env()
     for r in range(world_size):
         p = ctx.Process(target=_entry, daemon=True,
-                        args=(r, world_size, port, fn, args, err_q, collective_timeout, _package_file(),
-                              {k: v for k, v in os.environ.items() if k.startswith(_SIDE_EFFECT)}))
+                        args=(r, world_size, port, fn, args, err_q, collective_timeout, package, side_env))
         p.start()
         procs.append(p)
     deadline = time.monotonic() + timeout

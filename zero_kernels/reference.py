@@ -86,8 +86,8 @@ def compute_coeffs(steps: list[Tensor] | Tensor, lr: float | Tensor, beta1: floa
             counts, inverse = first, None
         else:
             counts, inverse = torch.unique(flat, return_inverse=True)
-        table = torch.tensor([_coeffs_double(t, float(lr), float(beta1), float(beta2), weight_decay, adamw)
-                              for t in counts.tolist()], dtype=torch.float32).reshape(-1, 3)
+        hp = (float(lr), float(beta1), float(beta2), weight_decay, adamw)
+        table = torch.tensor([_coeffs_double(t, *hp) for t in counts.tolist()], dtype=torch.float32).reshape(-1, 3)
         out = table.expand(flat.numel(), 3).contiguous() if inverse is None else table[inverse]
         return out if device is None else out.to(device, non_blocking=True)
     s = s.to(torch.float64 if s.device.type == "cpu" else torch.float32)
@@ -114,10 +114,12 @@ def _coeffs_double(t: float, lr: float, beta1: float, beta2: float, weight_decay
     gives +-inf, or the machine's default NaN (``inf - inf``, as 0 / 0 and sqrt(-x) give it)."""
     bc1 = 1 - beta1 ** t
     bc2 = 1 - beta2 ** t
-    if bc1 != 0 or lr != lr:
-        step_size = lr / bc1 if bc1 != 0 else lr
+    if bc1 != 0:
+        step_size = lr / bc1
+    elif lr == 0:
+        step_size = math.inf - math.inf                           # 0 / 0
     else:
-        step_size = math.copysign(math.inf, lr) if lr != 0 else math.inf - math.inf
+        step_size = math.copysign(math.inf, lr) if lr == lr else lr   # x / +0; a NaN lr propagates
     bc2_sqrt = math.sqrt(bc2) if bc2 >= 0 else (bc2 if bc2 != bc2 else math.inf - math.inf)
     return step_size, bc2_sqrt, 1 - lr * weight_decay if adamw else 1.0
 
