@@ -443,7 +443,9 @@ JIT_SCRIPT = textwrap.dedent("""
     from zero_kernels.reference import fused_adam_ref, compute_coeffs
     mod = _ext.cpu_module()
     assert mod is not None, _ext.load_error()
-    assert mod.__name__ == _build.JIT_NAME, mod.__name__
+    assert mod.__name__ == _build.jit_name(), mod.__name__
+    import os
+    assert os.path.isdir(os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], _build.jit_name()))
     p, g, m, v = torch.randn(1003), torch.randn(1003).bfloat16(), torch.zeros(1003), torch.zeros(1003)
     p16 = torch.empty(1003, dtype=torch.bfloat16)
     st = [[p], [g], [m], [v], None, [p16]]
@@ -474,6 +476,20 @@ def test_jit_build_slow():
     start_background({"test_jit_build_slow"})
     r = _background.result("jit build", timeout=900)
     assert r.returncode == 0 and "JIT-OK" in r.output, r.output
+
+
+def test_jit_name_is_one_per_sources_location(tmp_path):
+    """[Note: one JIT build per checkout]: two checkouts get two JIT names (and build directories), one
+    checkout reached through a symlink gets one; the name is a module name torch can import."""
+    from zero_kernels import _build
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        (d / "csrc").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(a)
+    na, nb, nl = (_build.jit_name(str(d)) for d in (a, b, tmp_path / "link"))
+    assert na != nb and na == nl, (na, nb, nl)
+    assert na.startswith(_build.JIT_PREFIX + "_") and na.isidentifier(), na
+    assert _build.jit_name() == _build.jit_name(_build.csrc_dir().rsplit(os.sep, 1)[0])
 
 
 # ----------------------------------------------------------------------------- bucket flatten

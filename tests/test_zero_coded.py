@@ -427,7 +427,9 @@ def _ckpt_save(rank, world, tmp):
     stored = _states(z)
     model2 = _model(9)
     z2 = _zopt(model2, 2, BF, U8, U8, True)
-    z2.load_checkpoint(os.path.join(tmp, "c8"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                   # stored as is: neither converted nor re-blocked
+        z2.load_checkpoint(os.path.join(tmp, "c8"))
     assert all(_bits_equal(a[k], b[k]) for a, b in zip(stored, _states(z2)) for k in a)
     # an fp32-state checkpoint, for the conversion below
     model3 = _model(4)
@@ -453,9 +455,13 @@ def _ckpt_load(rank, world, tmp):
         assert all(_bits_equal(x[k], y[k]) for x, y in zip(before, _states(z)) for k in x)
     finally:
         codecs.U8_CODE = real
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")                   # same format: no conversion warning
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")                  # same format: re-blocked, not converted
         z.load_checkpoint(os.path.join(tmp, "c8"))
+    said = [str(w.message) for w in seen]
+    assert any("re-blocked the blockwise exp_avg and exp_avg_sq states" in m and "world size 2" in m
+               and "(world size 3)" in m for m in said), said
+    assert not any("converted the optimizer states" in m for m in said), said
     msd, osd = _fp32(z)
     for k in ref["model"]:
         assert _bits_equal(ref["model"][k], msd[k]), k   # masters: exact (bf16 + remainder)

@@ -43,6 +43,7 @@ import hashlib
 import os
 import queue
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -540,7 +541,11 @@ def env_for(tree: str, ext_root: str) -> dict:
     return env
 
 
-JIT_NAME = "zero_kernels_C_jit"   # zero_kernels._build.JIT_NAME: the build directory's name
+def jit_name(tree: str) -> str:
+    """The tree's JIT build directory name (zero_kernels._build.jit_name for the tree's csrc/; the tree's own
+    _build.py is run, as setup.py does, so the rule lives in one place)."""
+    return runpy.run_path(os.path.join(tree, "zero_kernels", "_build.py"))["jit_name"](tree)
+
 BUILD = ("from zero_kernels import _ext; import sys; m = _ext.cpu_module(); "
          "sys.exit(0 if m is not None else 'build failed: ' + _ext.load_error())")
 
@@ -548,7 +553,7 @@ BUILD = ("from zero_kernels import _ext; import sys; m = _ext.cpu_module(); "
 def build_ext(tree: str, ext_root: str, timeout: float) -> str | None:
     """JIT-build (or reuse) the copy's C++ extension. None on success, else the reason; a failed
     build's directory is removed so that it cannot poison a later run's cache."""
-    build_dir = os.path.join(ext_dir(tree, ext_root), JIT_NAME)
+    build_dir = os.path.join(ext_dir(tree, ext_root), jit_name(tree))
     stale = os.path.join(build_dir, "lock")   # torch's build baton, left behind by a killed run
     if os.path.exists(stale):
         os.remove(stale)
@@ -612,7 +617,7 @@ def check_mutant(f: Fault, tree: str, ext_root: str, timeout: float) -> Result:
         with open(path, "w") as fh:
             fh.write(mutated)
         if is_cpp:
-            mtime = mutant_mtime(os.path.join(base_dir, JIT_NAME))
+            mtime = mutant_mtime(os.path.join(base_dir, jit_name(tree)))
             os.utime(path, (mtime, mtime))
             copy_build(base_dir, ext_dir(tree, ext_root))
             why = build_ext(tree, ext_root, timeout)

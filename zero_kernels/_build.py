@@ -6,10 +6,11 @@ Kept free of package imports so that ``setup.py`` can execute it with ``runpy``.
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 
 EXT_NAME = "zero_kernels._C"        # module built by setup.py
-JIT_NAME = "zero_kernels_C_jit"     # module name used by the JIT fallback
+JIT_PREFIX = "zero_kernels_C_jit"   # the JIT fallback's module name, before its location tag (jit_name)
 
 
 def csrc_dir(root: str | None = None) -> str:
@@ -20,6 +21,20 @@ def csrc_dir(root: str | None = None) -> str:
         if os.path.isdir(cand):
             return cand
     return os.path.join(here, "csrc")
+
+
+def jit_name(root: str | None = None) -> str:
+    """The JIT fallback's module (and build directory) name: one per ``csrc/`` location.
+
+    [Note: one JIT build per checkout]
+    torch.utils.cpp_extension.load keeps one build directory per name under TORCH_EXTENSIONS_DIR
+    (default ~/.cache/torch_extensions). Two checkouts or environments sharing one name would take
+    turns rebuilding it (ninja sees the other's source paths) and wait on each other's build lock.
+    The name carries a tag of the real path of the sources it builds (symlinks resolved), so each
+    location keeps its own build and a second one neither rebuilds nor blocks the first.
+    """
+    where = os.path.realpath(csrc_dir(root))
+    return f"{JIT_PREFIX}_{hashlib.sha256(where.encode()).hexdigest()[:12]}"
 
 
 def cpu_sources(root: str | None = None) -> list[str]:

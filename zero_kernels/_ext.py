@@ -56,7 +56,7 @@ def _jit_build() -> ModuleType:
         sources = sources + cu
         kwargs["extra_cuda_cflags"] = list(_build.NVCC_FLAGS) + ["-DZK_WITH_CUDA=1"]
     cflags = list(_build.CXX_FLAGS) + (["-DZK_WITH_CUDA=1"] if with_cuda else [])
-    return load(name=_build.JIT_NAME, sources=sources, extra_cflags=cflags,
+    return load(name=_build.jit_name(), sources=sources, extra_cflags=cflags,
                 with_cuda=with_cuda, verbose=flag("ZERO_KERNELS_VERBOSE_BUILD"), **kwargs)
 
 

@@ -63,9 +63,9 @@ the element range [o+k, o+k+n) of bucket a, and the saved ranks whose slices cov
 with ``torch.load(mmap=True)``, so its memory stays near its own shard size (with ``verify=True``,
 the default, each shard file it opens is hashed whole once; ``verify=False`` touches only the pages
 it needs). Steps, hyperparameters and loss-scaler state come from the checkpoint. States travel as fp32
-(``Shards.fp32`` decodes coded ones) and are encoded into the loader's format (re-blocking may
-requantize: the dequantized states then agree within one quantization step); a load into the same
-layout and state format copies the stored tensors, bit for bit.
+(``Shards.fp32`` decodes coded ones) and are encoded into the loader's format (re-blocking requantizes
+blockwise 8-bit / fp8 moments: the dequantized states then agree within one quantization step, and a
+UserWarning says so); a load into the same layout and state format copies the stored tensors, bit for bit.
 Everything is read and checked (files present, sizes match COMPLETE, format version, parameter
 names and shapes, buffers) and the ranks agree that nobody failed BEFORE any state is changed.
 """
@@ -398,10 +398,19 @@ def load_checkpoint(opt, path, verify: bool = True) -> None:
     if isinstance(meta.get("lineage"), str):
         opt.checkpoint_lineage = meta["lineage"]     # [Note: checkpoint lineage]: a resumed run continues it
     saved_fmt = meta.get("state_format", _FP32_STATES)
+    fmt = opt.config.state_format
+    blockwise = [k for k in ("exp_avg", "exp_avg_sq") if getattr(fmt, k + "_dtype") in codecs.BLOCKWISE]
     if saved_fmt != _state_format(opt):
         warnings.warn(f"load_checkpoint converted the optimizer states from the checkpoint's format {saved_fmt} to this "
                       f"optimizer's {_state_format(opt)}: decoded to fp32 and encoded with zero_kernels.codecs "
                       "([Note: coded ZeRO states])", UserWarning, stacklevel=3)
+    elif blockwise and not new16:
+        warnings.warn(f"load_checkpoint re-blocked the blockwise {' and '.join(blockwise)} states: the checkpoint was "
+                      f"saved at world size {meta.get('world_size')} with another bucket layout than this optimizer's "
+                      f"(world size {opt.world_size}), so its {codecs.BLOCK}-element blocks were decoded and "
+                      "quantized again; the dequantized states agree with the saved ones within one quantization "
+                      "step ([Note: resharding]). Saved and loaded with the same layout they load bit for bit",
+                      UserWarning, stacklevel=3)
     for g, saved in zip(opt.param_groups, meta["param_groups"]):
         for k, v in saved.items():
             if k in g:
