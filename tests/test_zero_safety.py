@@ -659,11 +659,14 @@ def _moved_case(rank, world, stage, how):
     steps = list(zopt.steps)
     if how == "double":
         model.double()
-    elif how == "bfloat16":
+    elif how.startswith("bfloat16"):
         model.to(torch.bfloat16)
     else:                                           # p.data replaced by a copy: same dtype, new storage
         for p in model.parameters():
             p.data = p.data.clone()
+    if how.endswith("backward"):                    # the next backward says so too (not torch's grad-dtype error)
+        with pytest.raises(RuntimeError, match="is no longer stored in ZeroAdamW's buffers.*before constructing"):
+            model(torch.randn(5, 7).bfloat16()).float().square().mean().backward()
     with pytest.raises(RuntimeError, match="before constructing ZeroAdamW"):
         zopt.step()
     assert zopt.steps == steps                      # nothing changed
@@ -672,10 +675,13 @@ def _moved_case(rank, world, stage, how):
     zopt.remove_hooks()
 
 
-@pytest.mark.parametrize("stage,how", [(1, "double"), (2, "bfloat16"), (2, "data"), (3, "bfloat16"), (3, "double")])
+@pytest.mark.parametrize("stage,how", [(1, "double"), (2, "bfloat16"), (2, "data"), (3, "bfloat16"), (3, "double"),
+                                       (2, "bfloat16-backward"), (3, "bfloat16-backward")])
 def test_cast_after_construction_is_an_error_world2(stage, how):
     """Issue 13.2: model.to(dtype) / p.data = ... after ZeroAdamW(...) used to stop training silently
-    (stages 1-2) or be undone at the next gather (stage 3); step() now raises before changing anything."""
+    (stages 1-2) or be undone at the next gather (stage 3); step() now raises before changing anything. A cast
+    model's next backward (stage 2: the gradient hook; stage 3: the forward's gather) raises the same error, not
+    torch's "gradient with dtype 'float' ... grad_dtype 'BFloat16'"."""
     run_world(_moved_case, 2, stage, how, timeout=180)
 
 

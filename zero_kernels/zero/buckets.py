@@ -176,9 +176,22 @@ class FlatBucket:
         read tensors the step never writes (the loss goes flat), or stage 3 would silently undo the
         cast at the next gather. step() checks this first and raises, before anything changes."""
         for p, ps in zip(self.params, self.param_specs):
-            if p.dtype != self.dtype or p.device != self.device or (p.numel() and not self._is_view(p, ps)):
+            if self.recast(p) or (p.numel() and not self._is_view(p, ps)):
                 return ps.name, p
         return None
+
+    def recast(self, p: Tensor) -> bool:
+        """``p`` (one of this bucket's parameters) was cast or moved to another device since construction."""
+        return p.dtype != self.dtype or p.device != self.device
+
+    def moved_error(self, name: str, p: Tensor) -> RuntimeError:
+        """The error for a parameter that is no longer stored in this bucket ([Note: bound parameters])."""
+        return RuntimeError(
+            f"parameter {name!r} is no longer stored in ZeroAdamW's buffers (it is {p.dtype} on {p.device}; "
+            f"ZeroAdamW keeps it as {self.dtype} on {self.device}): the model was cast or moved (model.to(...), "
+            ".half(), .bfloat16(), .cuda()) or a parameter's .data was replaced after ZeroAdamW(...) was "
+            "constructed, so step() would update buffers the model no longer reads. Cast or move the model "
+            "before constructing ZeroAdamW (for 16-bit parameters pass param_dtype=torch.bfloat16).")
 
     def _is_view(self, p: Tensor, ps) -> bool:
         flat = self.param_flat
@@ -254,13 +267,7 @@ def check_bound(buckets: Sequence[FlatBucket]) -> None:
             raise err
         moved = b.moved_param()
         if moved is not None:
-            name, p = moved
-            raise RuntimeError(
-                f"parameter {name!r} is no longer stored in ZeroAdamW's buffers (it is {p.dtype} on {p.device}; "
-                f"ZeroAdamW keeps it as {b.dtype} on {b.device}): the model was cast or moved (model.to(...), "
-                ".half(), .bfloat16(), .cuda()) or a parameter's .data was replaced after ZeroAdamW(...) was "
-                "constructed, so step() would update buffers the model no longer reads. Cast or move the model "
-                "before constructing ZeroAdamW (for 16-bit parameters pass param_dtype=torch.bfloat16).")
+            raise b.moved_error(*moved)
 
 
 def check_amsgrad(groups: Sequence[dict], buckets: Sequence[FlatBucket]) -> None:

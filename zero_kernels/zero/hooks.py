@@ -144,6 +144,8 @@ class Stage2Reducer:
     # ---- during backward ------------------------------------------------------------------------
     @torch.no_grad()
     def on_grad(self, b: FlatBucket, li: int, p: torch.nn.Parameter) -> None:
+        if b.recast(p):         # cast after construction: say so before torch's grad-dtype error, nothing taken
+            raise b.moved_error(b.param_specs[li].name, p)
         if not self.in_backward:
             self.in_backward = True
             Variable._execution_engine.queue_callback(self.post_backward)
