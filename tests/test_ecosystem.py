@@ -51,7 +51,8 @@ def _fsdp2_worker(rank, world, backend):
     # Coded states on DTensor parameters are refused at construction (they crashed the C++ / Triton kernels,
     # or raised after the step counters moved): per-tensor blocks that DCP could not reshard.
     for fmt in (dict(exp_avg_dtype=torch.uint8), dict(exp_avg_dtype=torch.bfloat16)):
-        with pytest.raises(ValueError, match=r"params\[0\] is a DTensor .*keep fp32 states for FSDP2 models"):
+        with pytest.raises(ValueError,
+                           match=r"param_groups\[0\]\['params'\]\[0\] is a DTensor .*keep fp32 states"):
             zk.FusedAdamW(m.parameters(), backend=backend, **fmt)
 
 

@@ -528,6 +528,8 @@ BAD_HPARAMS = [
     (dict(betas=(0.9, -0.1)), "Invalid beta parameter at index 1"),
     (dict(differentiable=True), "differentiable"), (dict(fused=False), "always fused"),
     (dict(backend="tpu"), "backend"),
+    (dict(eps=torch.tensor(1e-8)), "eps must be a number, got a Tensor .*pass eps=float"),
+    (dict(weight_decay=torch.tensor(0.1)), "weight_decay must be a number, got a Tensor"),
 ]
 
 
@@ -542,7 +544,8 @@ def test_bad_parameters_raise():
         zk.FusedAdamW([torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))])
     with pytest.raises((ValueError, RuntimeError), match="floating"):
         zk.FusedAdamW([torch.zeros(3, dtype=torch.int64)])
-    with pytest.raises(ValueError, match=r"params\[1\] has dtype torch.float64; FusedAdamW computes in fp32"):
+    with pytest.raises(ValueError,
+                       match=r"param_groups\[0\]\['params'\]\[1\] has dtype torch.float64; FusedAdamW"):
         zk.FusedAdamW([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3, dtype=torch.float64))])
     p = torch.nn.Parameter(torch.randn(3))
     with pytest.raises(ValueError, match="more than one parameter group"):
@@ -613,7 +616,7 @@ def test_parameters_sharing_memory(backend):
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] and param_groups\[1\]\['params'\]\[0\]"):
         opt.add_param_group({"params": [torch.nn.Parameter(a.data[1:, 2])]})
     assert len(opt.param_groups) == 1
-    with pytest.raises(ValueError, match=r"params\[1\] has internally overlapping memory"):
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] has internally overlapping memory"):
         zk.FusedAdamW([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(1).expand(4))],
                       backend=backend)                         # stride 0: was torch's error after a half step
     m = torch.nn.Linear(4, 4)
@@ -664,3 +667,95 @@ def test_bad_gradients_raise_before_any_state_changes(backend):
     with pytest.raises(RuntimeError, match="dtype"):
         opt.step()
     assert torch.equal(a.detach(), snapshot) and len(opt.state) == 0, "state changed before the error"
+
+
+FMTS = [{}, dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", FMTS, ids=["fp32 states", "8-bit"])
+def test_replaced_or_reordered_group_params_step_the_new_ones(backend, fmt):
+    """A group's ``params`` replaced (a library re-pointing the optimizer at moved parameters) or reordered after
+    a step, same shapes: the step updates the listed tensors with their own gradients, as torch.optim.AdamW's
+    (the launch plan was keyed on shapes only: [Note: launch plans])."""
+    def run(make):
+        torch.manual_seed(3)
+        old, new = torch.nn.Parameter(torch.zeros(300)), torch.nn.Parameter(torch.zeros(300))
+        a, b = torch.nn.Parameter(torch.zeros(300)), torch.nn.Parameter(torch.zeros(300))
+        o1, o2 = make([old]), make([a, b])
+        old.grad = torch.ones(300)
+        a.grad, b.grad = torch.ones(300), -torch.ones(300)
+        o1.step()
+        o2.step()
+        o1.param_groups[0]["params"] = [new]
+        new.grad = torch.full((300,), 0.5)        # old.grad left in place: it must not be used
+        o2.param_groups[0]["params"].reverse()
+        b.grad = 2 * b.grad
+        o1.step()
+        o2.step()
+        return [t.detach().clone() for t in (old, new, a, b)]
+    want = run(lambda ps: torch.optim.AdamW(ps, lr=0.1))
+    got = run(lambda ps: zk.FusedAdamW(ps, lr=0.1, backend=backend, **fmt))
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=0, atol=0.05 if fmt else 1e-6)
+    assert torch.equal(got[0], want[0]) and got[1][0] < -0.05        # old stepped once only, new stepped
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", FMTS, ids=["fp32 states", "8-bit"])
+@pytest.mark.parametrize("how", ["edit", "load"])
+def test_hyperparameters_made_invalid_later_raise_before_any_change(backend, fmt, how):
+    """betas / eps / weight_decay / lr set out of range after construction (a param_groups edit, a loaded state
+    dict) are refused at the step, naming the group, before any group is stepped (the kernel used to refuse them
+    after earlier groups had moved; the reference never did)."""
+    a, b = torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(300))
+    opt = zk.FusedAdamW([{"params": [a]}, {"params": [b]}], lr=0.1, backend=backend, **fmt)
+    a.grad, b.grad = torch.randn(300), torch.randn(300)
+    opt.step()
+    for key, bad, msg in [("betas", (0.9, 1.0), "Invalid beta parameter at index 1"),
+                          ("eps", -1.0, "Invalid epsilon value"), ("weight_decay", float("nan"), "weight_decay"),
+                          ("lr", -1.0, "Invalid learning rate")]:
+        if how == "edit":
+            opt.param_groups[1][key] = bad
+        else:
+            sd = opt.state_dict()
+            sd["param_groups"][1][key] = bad
+            opt.load_state_dict(sd)
+        before = [a.detach().clone(), b.detach().clone(), [float(st["step"]) for st in opt.state.values()]]
+        with pytest.raises(ValueError, match=msg + r".*in param_groups\[1\] \(nothing was changed\)"):
+            opt.step()
+        after = [a.detach().clone(), b.detach().clone(), [float(st["step"]) for st in opt.state.values()]]
+        assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]) and before[2] == after[2]
+        opt.param_groups[1][key] = opt.param_groups[0][key]
+    opt.step()                                           # valid again: steps
+
+
+def test_adamw_loading_an_adam_state_dict_stays_adamw():
+    """torch.optim.AdamW keeps decoupled weight decay whatever a loaded (Adam) state dict says; so does
+    FusedAdamW (it used to turn into Adam with L2 decay, silently)."""
+    torch.manual_seed(0)
+    p0 = torch.randn(64)
+    out = []
+    for cls, src in ((torch.optim.AdamW, torch.optim.Adam), (zk.FusedAdamW, zk.FusedAdam)):
+        p = torch.nn.Parameter(p0.clone())
+        donor = src([torch.nn.Parameter(p0.clone())], lr=0.1, weight_decay=0.5)
+        opt = cls([p], lr=0.1, weight_decay=0.5)
+        opt.load_state_dict(donor.state_dict())
+        assert opt.param_groups[0]["decoupled_weight_decay"] is True, cls
+        for _ in range(3):
+            p.grad = torch.ones(64)
+            opt.step()
+        out.append(p.detach().clone())
+    torch.testing.assert_close(out[1], out[0], rtol=0, atol=1e-6)
+
+
+def test_construction_errors_name_the_group():
+    a, b = torch.nn.Parameter(torch.randn(3).bfloat16()), torch.nn.Parameter(torch.randn(3).half())
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] has dtype torch.float16"):
+        zk.FusedAdamW([{"params": [a]}, {"params": [b]}], store_param_remainders=True)
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] has dtype torch.float64"):
+        zk.FusedAdamW([{"params": [torch.nn.Parameter(torch.randn(3))]},
+                       {"params": [torch.nn.Parameter(torch.randn(3, dtype=torch.float64))]}])
+    with pytest.raises(ValueError, match=r"Invalid epsilon value: -1.0 \(param_groups\[1\]\)"):
+        zk.FusedAdamW([{"params": [torch.nn.Parameter(torch.randn(3))]},
+                       {"params": [torch.nn.Parameter(torch.randn(3))], "eps": -1.0}])

@@ -187,7 +187,7 @@ def test_loss_quality_versus_torch_adamw(fmt, tol):
     (dict(min_8bit_size=-1), ValueError, "min_8bit_size"),
     (dict(exp_avg_dtype=U8, amsgrad=True), ValueError, "amsgrad"),
     (dict(exp_avg_dtype=BF, master_weights=False), ValueError, "master_weights=False"),
-    (dict(store_param_remainders=True), ValueError, r"params\[1\] has dtype torch.float32"),
+    (dict(store_param_remainders=True), ValueError, r"param_groups\[0\]\['params'\]\[1\] has dtype torch.float32"),
 ])
 def test_bad_formats_raise(kwargs, exc, msg):
     ps = [torch.zeros(3, dtype=BF, requires_grad=True), torch.zeros(3, requires_grad=True)]

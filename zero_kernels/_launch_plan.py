@@ -6,7 +6,9 @@ parameter group. Deciding those calls touches every parameter and its state (dty
 DTensor shards, state initialisation): ~10 us per parameter in Python. A *plan* records the result:
 per launch, the positions of its parameters and the lists of state tensors the kernel updates. It
 is keyed on the group's *signature* (per parameter: ``None`` without a gradient, else the gradient's
-shape, dtype, device, layout and contiguity, the parameter's dtype and contiguity) and on the optimizer's
+shape, dtype, device, layout and contiguity, the parameter's dtype and contiguity and the parameter itself,
+by ``id``: a group whose ``params`` were replaced or reordered gets a new plan; the plan holds its parameters,
+so no id is reused while it lives) and on the optimizer's
 ``epoch`` (bumped whenever state or groups are replaced: ``load_state_dict``, ``add_param_group``,
 unpickling). A step whose signature matches reuses the plan: its Python work is one pass over the
 gradients, not a pass over every state.
@@ -47,7 +49,7 @@ def local(t: Tensor | None) -> Tensor | None:
 def signature(params: list[Tensor], grads: list[Tensor | None]) -> list:
     """What a cached plan depends on, per parameter (see [Note: launch plans])."""
     return [None if g is None else (g.shape, g.dtype, g.device, g.layout, g.is_contiguous(), p.dtype,
-                                    p.is_contiguous())
+                                    p.is_contiguous(), id(p))
             for p, g in zip(params, grads)]
 
 
@@ -76,6 +78,7 @@ class GroupPlan:
     launches: list[Launch]
     writebacks: list[tuple[Tensor, Tensor]]   # (destination, contiguous temporary): never cached
     states: list[dict] = field(default_factory=list)   # the state dicts the launches read
+    params: list = field(default_factory=list)         # the group's parameters: their ids stay theirs
     state_values: list = field(default_factory=list)   # their values when the plan was built
 
     @property

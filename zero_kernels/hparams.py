@@ -36,6 +36,7 @@ def validate_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: st
         raise ValueError(f"Tensor lr must be 1-element{where}")
     if isinstance(lr, bool) or not isinstance(lr, (int, float, Tensor)) or not _finite_nonneg(lr):
         raise ValueError(f"Invalid learning rate: {lr}{where}")
+    _check_number("eps", eps, where)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not _finite_nonneg(eps):
         raise ValueError(f"Invalid epsilon value: {eps}{where}")
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
@@ -48,9 +49,17 @@ def validate_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: st
             raise ValueError(f"Tensor betas[{i}] must be 1-element{where}")
         if isinstance(b, bool) or not isinstance(b, (int, float, Tensor)) or not 0.0 <= as_float(b) < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {b}{where}")
+    _check_number("weight_decay", weight_decay, where)
     if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) \
             or not _finite_nonneg(weight_decay):
         raise ValueError(f"Invalid weight_decay value: {weight_decay}{where}")
+
+
+def _check_number(name: str, x: Any, where: str) -> None:
+    """eps and weight_decay are numbers here (torch.optim.AdamW also takes a Tensor): say so, not "Invalid"."""
+    if isinstance(x, Tensor):
+        raise ValueError(f"{name} must be a number, got a Tensor ({x!r}){where}: the kernels take {name} as a "
+                         f"scalar argument; pass {name}=float(...) (only lr and betas may be Tensors)")
 
 
 def as_float(x: float | Tensor) -> float:
@@ -99,14 +108,14 @@ def validate_state_format(exp_avg_dtype: Any, exp_avg_sq_dtype: Any, store_param
     return fmt
 
 
-def check_param_format(fmt: StateFormat, i: int, p: Tensor, amsgrad: Any) -> None:
-    """ValueError naming ``params[i]`` when it cannot hold the coded states of ``fmt``."""
+def check_param_format(fmt: StateFormat, where: str, p: Tensor, amsgrad: Any) -> None:
+    """ValueError naming the parameter (``where``) when it cannot hold the coded states of ``fmt``."""
     if fmt.store_param_remainders and p.dtype != torch.bfloat16:
-        raise ValueError(f"params[{i}] has dtype {p.dtype}; store_param_remainders=True needs bf16 parameters "
+        raise ValueError(f"{where} has dtype {p.dtype}; store_param_remainders=True needs bf16 parameters "
                          "(the fp32 master is kept as the bf16 bits plus an int16 remainder): put the other "
                          "parameters in another optimizer, or use store_param_remainders=False")
     if fmt.coded and is_dtensor(p):
-        raise ValueError(f"params[{i}] is a DTensor (an FSDP2 / fully_shard parameter): FusedAdam's coded states "
+        raise ValueError(f"{where} is a DTensor (an FSDP2 / fully_shard parameter): FusedAdam's coded states "
                          "(exp_avg_dtype / exp_avg_sq_dtype / store_param_remainders) are per-tensor blocks that "
                          "torch.distributed.checkpoint cannot reshard; keep fp32 states for FSDP2 models, or shard "
                          "the model with zk.ZeroAdamW(model, stage=3, exp_avg_dtype=...), which holds coded states "

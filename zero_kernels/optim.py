@@ -136,7 +136,7 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
                 continue  # torch raises its own TypeError below
             why = param_dtype_problem(t, type(self).__name__) or (OVERLAP_FIX if internal_overlap(t) else None)
             if why:
-                raise ValueError(f"params[{i}] {why}")
+                raise ValueError(f"param_groups[{len(self.param_groups)}]['params'][{i}] {why}")
         tensors = [p[1] if isinstance(p, tuple) else p for p in params]
         check_distinct(len(self.param_groups), tensors)
         earlier = [(gi, pi, q) for gi, g in enumerate(self.param_groups) for pi, q in enumerate(g["params"])]
@@ -146,9 +146,11 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
             raise ValueError(f"one parameter group mixes devices {sorted(map(str, devices))}; a fused "
                              "group runs on one device: put each device's parameters in its own group")
         merged = {**self.defaults, **param_group}
-        _validate_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        gi = len(self.param_groups)
+        _validate_hparams(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"],
+                          where=f" (param_groups[{gi}])")
         for i, t in enumerate(tensors):
-            check_param_format(self._format, i, t, merged["amsgrad"])
+            check_param_format(self._format, f"param_groups[{gi}]['params'][{i}]", t, merged["amsgrad"])
         for dev in devices:
             if dev not in self._resolved:
                 self._resolve(dev)
@@ -391,7 +393,8 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
                          dtensor=any(local(g) is not g for g in grads if g is not None),
                          contiguous_grads=all(s[4] for s in sig if s is not None),
                          launches=list(launches.values()), writebacks=writebacks,
-                         states=[self.state[params[pi]] for L in launches.values() for pi in L.index])
+                         states=[self.state[params[pi]] for L in launches.values() for pi in L.index],
+                         params=list(params))
         plan.snapshot()
         return plan
 
@@ -478,6 +481,11 @@ class FusedAdamW(FusedAdam):
     for ``torch.optim.AdamW``. See :class:`FusedAdam` for the extra keyword arguments."""
 
     _decoupled_default = True
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:   # as torch.optim.AdamW: decoupled, whatever a loaded Adam state said
+            group["decoupled_weight_decay"] = True
 
     def __init__(self, params, lr: float | Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .hparams import validate_hparams
+
 _FP32_MAX = torch.finfo(torch.float32).max
 
 
@@ -129,7 +131,11 @@ def param_dtype_problem(t: Tensor, optimizer: str) -> str | None:
 
 def check_scalars(gi: int, group: dict[str, Any]) -> None:
     """Hyper-parameters the kernels take as fp32 must fit in fp32 (torch.optim.AdamW raises too); no
-    optimizer-wide argument set on the group since (check_group_keys)."""
+    optimizer-wide argument set on the group since (check_group_keys); the rules of construction
+    (hparams.validate_hparams) still hold for the number-valued ones, whatever set them since
+    (``param_groups[i]["betas"] = ...``, ``load_state_dict``, a scheduler): checked at every step before
+    anything changes, as the kernels would refuse them only after earlier groups were stepped. Tensor
+    values (lr, betas) are not read back (no device sync)."""
     check_group_keys(gi, group)
     for k in ("lr", "eps", "weight_decay"):
         v = group[k]
@@ -137,6 +143,12 @@ def check_scalars(gi: int, group: dict[str, Any]) -> None:
             raise RuntimeError(f"param_groups[{gi}]['{k}'] = {v!r} cannot be converted to float32 "
                                "without overflow (the kernels compute in fp32; torch.optim.AdamW "
                                "raises the same); use a finite fp32 value")
+    lr, betas = group["lr"], group["betas"]
+    if isinstance(betas, (tuple, list)) and any(isinstance(b, Tensor) for b in betas) \
+            and all(isinstance(b, Tensor) and b.numel() == 1 for b in betas):
+        betas = (0.0, 0.0)
+    validate_hparams(0.0 if isinstance(lr, Tensor) and lr.numel() == 1 else lr, betas, group["eps"],
+                     group["weight_decay"], where=f" in param_groups[{gi}] (nothing was changed)")
 
 def check_grads(optimizer: str, gi: int, group: dict[str, Any], grads: list[Tensor | None]) -> None:
     """Every bad gradient of group ``gi`` is reported, naming it, before any state changes."""
