@@ -257,16 +257,50 @@ def test_model_cast_after_steps_says_so_and_the_rebuild_it_names_works(cast):
     m(torch.randn(2, 7, dtype=cast[0])).float().sum().backward()
     o.step()
     o.zero_grad()
+    masters = [o.state[p]["master_param"].clone() for p in m.parameters()] if cast[0] == BF else None
     m.to(cast[1])
     m(torch.randn(2, 7, dtype=cast[1])).float().sum().backward()
     with pytest.raises(RuntimeError, match=r"\['params'\]\[0\] is torch\..* now, but its coded state was made for a "
                        r"(float32|16-bit) parameter.*cast it back, or make a new optimizer"):
         o.step()
     assert float(o.state[m.weight]["step"]) == 1.0
-    o2 = zk.FusedAdamW(m.parameters(), exp_avg_dtype=U8, exp_avg_sq_dtype=U8, backend="cpu")
-    o2.load_state_dict(o.state_dict())
-    o2.step()
-    assert float(o2.state[m.weight]["step"]) == 2.0 and not any(p.isnan().any() for p in m.parameters())
+    for fmt in ({}, dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8)):      # fp32 states (an lr-0 step), then coded
+        o2 = zk.FusedAdamW(m.parameters(), backend="cpu", **fmt)
+        o2.load_state_dict(o.state_dict())
+        if masters is not None:         # bf16 -> fp32: the parameters take their fp32 masters, not the bf16 rounding
+            if not fmt:
+                o2.param_groups[0].update(lr=0.0, weight_decay=0.0)     # the fp32 path adopts at its next step
+                o2.step()
+            assert all(torch.equal(p.detach(), w) for p, w in zip(m.parameters(), masters))
+            assert all(set(o2.state[p]) == ({"step", "exp_avg", "exp_avg_sq"} if not fmt else
+                                            {"step", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"})
+                       for p in m.parameters()), [sorted(o2.state[p]) for p in m.parameters()]
+        if fmt:
+            o2.step()
+            assert float(o2.state[m.weight]["step"]) == 2.0 and not any(p.isnan().any() for p in m.parameters())
+
+
+@pytest.mark.parametrize("fmt", [{}, dict(exp_avg_dtype=U8, exp_avg_sq_dtype=U8)], ids=["fp32 states", "8-bit"])
+def test_remainder_masters_go_with_a_model_cast_to_fp32(fmt):
+    """bf16 parameters with remainders, then model.float() and a new optimizer loading the state dict: the fp32
+    parameters become the joined masters (they kept the bf16 rounding, up to half a bf16 ulp off, silently)."""
+    m = torch.nn.Linear(300, 4).to(BF)
+    o = zk.FusedAdamW(m.parameters(), lr=1e-3, backend="cpu", store_param_remainders=True)
+    for _ in range(3):
+        for p in m.parameters():
+            p.grad = torch.randn_like(p)
+        o.step()
+    masters = [C.join_remainder(p.detach(), o.state[p]["master_remainder"]) for p in m.parameters()]
+    assert any(not torch.equal(w, p.detach().float()) for w, p in zip(masters, m.parameters()))   # not vacuous
+    sd = o.state_dict()
+    m.float()
+    o2 = zk.FusedAdamW(m.parameters(), backend="cpu", **fmt)
+    o2.load_state_dict(sd)
+    o2.param_groups[0].update(lr=0.0, weight_decay=0.0)      # (the load restored the saved ones)
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+    o2.step()                                   # lr 0: shows what was adopted
+    assert all(torch.equal(p.detach(), w) for p, w in zip(m.parameters(), masters))
 
 
 @pytest.mark.parametrize("backend", ["triton", "cpu"])

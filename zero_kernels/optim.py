@@ -203,7 +203,9 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         upcast exactly. States saved in another format than this optimizer's are converted first
         ([Note: coded state dicts] in optim_coded.py). The next step adopts the parameters as they are then
         into the loaded masters ([Note: parameters edited outside the optimizer]): a write after the load
-        stands, as with torch."""
+        stands, as with torch. A state saved for a 16-bit parameter that is fp32 now (``model.float()`` between
+        save and load) brings its fp32 master (or bf16 + remainder), which the parameter takes, as a model cast
+        under one optimizer does."""
         coded = self._format.coded
         state_dict = optim_coded.convert_state_dict(state_dict, self.param_groups, self._format)
         saved = state_dict["state"]
@@ -222,6 +224,8 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         for p, sid in zip(params, saved_ids):
             if coded and sid in saved:      # torch cast the codes to the parameter's dtype: restore them
                 self.state[p].update({k: v for k, v in saved[sid].items() if k != "step"})
+                if p.dtype == torch.float32 and "master_param" in self.state[p]:   # saved 16-bit, fp32 now
+                    self._adopt_master_after_cast(p, self.state[p])
             if coded or not self._uses_master(p) or sid not in saved:
                 continue
             for k in _FP32_STATE_KEYS:
