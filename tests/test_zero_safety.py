@@ -807,6 +807,10 @@ def _unfreeze_case(rank, world, out):
         assert zopt.steps == steps
         after = zopt.state_dict()["state"]
         assert all(torch.equal(x[k], y[k]) for x, y in zip(before, after) for k in x)
+        model[0].weight.requires_grad_(False)       # frozen again: its leftover gradient is ignored (as by torch)
+        w0 = model[0].weight.detach().clone()
+        zopt.step()
+        assert torch.equal(model[0].weight.detach(), w0) and zopt.steps != steps
         zopt.remove_hooks()
         # The fix the message names: trainable at construction, frozen for a while, trained again.
         model = make()

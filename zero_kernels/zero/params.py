@@ -84,18 +84,19 @@ def sparse_module_error(model: nn.Module, mp: ModelParams) -> str | None:
 
 
 def check_frozen(frozen: list[tuple[str, nn.Parameter]]) -> None:
-    """ValueError when a parameter frozen at construction got a gradient since: it was unfrozen
+    """ValueError when a parameter frozen at construction is trainable now and got a gradient: it was unfrozen
     (``requires_grad_(True)``), but it has no shard, state or bucket, so the step would leave it untrained
     without a word (torch.optim.AdamW over ``model.parameters()`` would train it)."""
     for n, p in frozen:
-        if p.grad is not None:
+        if p.grad is not None and p.requires_grad:    # frozen again: a stale gradient is inert (torch ignores it)
             raise ValueError(
                 f"parameter {n!r} was frozen (requires_grad=False) when the ZeRO optimizer was built, so it "
                 "has no shard, optimizer state or gradient bucket, and it has a gradient now (unfrozen since): "
                 "step() would leave it untrained. Build the optimizer after unfreezing it (the layout is fixed "
                 "at construction), or build it with the parameter trainable and freeze it with "
                 "requires_grad_(False) until it should train: a parameter without a gradient is skipped by the "
-                "step (as by torch.optim.AdamW) and trains again once unfrozen. Nothing was changed.")
+                "step (as by torch.optim.AdamW) and trains again once unfrozen. If it was unfrozen by mistake, "
+                "freeze it again (its leftover gradient is then ignored). Nothing was changed.")
 
 
 def _group_params(gi: int, g: dict, mp: ModelParams, group_of: dict[int, int]):
