@@ -408,6 +408,34 @@ def test_torch_adamw_cannot_step_on_saved_codes_and_old_names_still_load():
             make(a, HP[0], "reference", **f).load_state_dict(bad)
 
 
+def test_optimizer_hooks_see_the_saved_dict_and_the_loaded_states():
+    """torch's optimizer hooks around coded states: a state-dict post-hook sees the dict state_dict() returns
+    (saved names, ``u8_code``), a load pre-hook sees and may edit the dict as given (its edit is loaded), a load
+    post-hook sees the states as kept (uint8 codes, not torch's cast of them to the parameter's dtype)."""
+    p = torch.nn.Parameter(torch.randn(700))
+    o = zk.FusedAdamW([p], backend="reference", exp_avg_dtype=U8, exp_avg_sq_dtype=U8)
+    for _ in range(2):
+        p.grad = torch.randn(700)
+        o.step()
+    seen = {}
+    o.register_state_dict_post_hook(lambda opt, sd: seen.update(keys=sorted(sd["state"][0]), code=sd.get("u8_code")))
+    sd = o.state_dict()
+    assert seen == dict(keys=sorted(sd["state"][0]), code=C.U8_CODE) and "exp_avg_codes" in seen["keys"], seen
+
+    def double_scale(opt, d):
+        d = {**d, "state": {0: {**d["state"][0], "exp_avg_scale": d["state"][0]["exp_avg_scale"] * 2}}}
+        return d
+    o2 = zk.FusedAdamW([torch.nn.Parameter(p.detach().clone())], backend="reference", exp_avg_dtype=U8,
+                       exp_avg_sq_dtype=U8)
+    o2.register_load_state_dict_pre_hook(double_scale)
+    o2.register_load_state_dict_post_hook(lambda opt: seen.update(
+        loaded={k: v.dtype for k, v in next(iter(opt.state.values())).items()}))
+    o2.load_state_dict(sd)
+    st = next(iter(o2.state.values()))
+    assert torch.equal(st["exp_avg_scale"], sd["state"][0]["exp_avg_scale"] * 2)       # the pre-hook's edit
+    assert seen["loaded"]["exp_avg"] == U8 and seen["loaded"]["exp_avg_sq"] == U8, seen["loaded"]
+
+
 def test_state_dict_names_its_8bit_code_and_load_checks_it():
     """uint8 codes carry no trace of the code that made them: state_dict() names it ("u8_code"), and a state
     dict with uint8 moments but no tag (an earlier build's) or another one raises before anything changes."""

@@ -188,12 +188,13 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict, blockwise codes under their saved names (``exp_avg_codes``, ...: [Note: coded
         state dicts] in optim_coded.py), plus ``"u8_code"`` (codecs.U8_CODE) when a state holds uint8 moment
-        codes: the code they are in, checked by load_state_dict before anything is decoded."""
-        sd = super().state_dict()
-        if codecs.holds_u8_moments(sd["state"].values()):
-            sd["u8_code"] = codecs.U8_CODE
-        sd["state"] = {i: optim_coded.saved_form(st) for i, st in sd["state"].items()}
-        return sd
+        codes: the code they are in, checked by load_state_dict before anything is decoded. Done as the first
+        state-dict post-hook: the user's post-hooks (``register_state_dict_post_hook``) see the dict returned."""
+        handle = self.register_state_dict_post_hook(_saved_form, prepend=True)
+        try:
+            return super().state_dict()
+        finally:
+            handle.remove()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, after checking every saved state tensor against its parameter's shape
@@ -205,7 +206,23 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         into the loaded masters ([Note: parameters edited outside the optimizer]): a write after the load
         stands, as with torch. A state saved for a 16-bit parameter that is fp32 now (``model.float()`` between
         save and load) brings its fp32 master (or bf16 + remainder), which the parameter takes, as a model cast
-        under one optimizer does."""
+        under one optimizer does.
+
+        The checks and conversion run as the LAST load pre-hook and the restoration of the loaded states as the
+        FIRST load post-hook: the user's pre-hooks (``register_load_state_dict_pre_hook``) see and may edit the
+        dict as given, the user's post-hooks see the states as loaded."""
+        loaded: dict[str, Any] = {}
+        pre = self.register_load_state_dict_pre_hook(lambda opt, sd: opt._checked_for_load(sd, loaded))
+        post = self.register_load_state_dict_post_hook(lambda opt: opt._restore_loaded(loaded), prepend=True)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            pre.remove()
+            post.remove()
+
+    def _checked_for_load(self, state_dict: dict[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
+        """load_state_dict's pre-hook: ``state_dict`` converted to this optimizer's format and checked (raises
+        before anything is loaded); what the post-hook needs goes into ``loaded``."""
         coded = self._format.coded
         state_dict = optim_coded.convert_state_dict(state_dict, self.param_groups, self._format)
         saved = state_dict["state"]
@@ -218,10 +235,16 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
                 why = None if v is None else state_error(where, k, v, p, same_device=False)
                 if why is not None:
                     raise ValueError(f"{why}. Nothing was loaded.")
-        super().load_state_dict(state_dict)
+        loaded.update(saved=saved, pairs=list(zip(params, saved_ids)))
+        return state_dict
+
+    def _restore_loaded(self, loaded: dict[str, Any]) -> None:
+        """load_state_dict's post-hook: the states as this optimizer keeps them (codes, fp32 masters)."""
+        coded = self._format.coded
+        saved = loaded["saved"]
         self._epoch += 1
         self._watch_new = True
-        for p, sid in zip(params, saved_ids):
+        for p, sid in loaded["pairs"]:
             if coded and sid in saved:      # torch cast the codes to the parameter's dtype: restore them
                 self.state[p].update({k: v for k, v in saved[sid].items() if k != "step"})
                 if p.dtype == torch.float32 and "master_param" in self.state[p]:   # saved 16-bit, fp32 now
@@ -478,6 +501,14 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
     def backend(self) -> dict[str, str]:
         """The backend that runs for each device, e.g. ``{"cpu": "cpu"}``."""
         return {str(d): b for d, b in self._resolved.items()}
+
+
+def _saved_form(opt: FusedAdam, sd: dict[str, Any]) -> dict[str, Any]:
+    """FusedAdam.state_dict's post-hook: coded states under their saved names, and the 8-bit code's name."""
+    if codecs.holds_u8_moments(sd["state"].values()):
+        sd["u8_code"] = codecs.U8_CODE
+    sd["state"] = {i: optim_coded.saved_form(st) for i, st in sd["state"].items()}
+    return sd
 
 
 class FusedAdamW(FusedAdam):
