@@ -408,6 +408,19 @@ def test_torch_adamw_cannot_step_on_saved_codes_and_old_names_still_load():
             make(a, HP[0], "reference", **f).load_state_dict(bad)
 
 
+def test_meta_parameters_step_with_coded_states():
+    """Meta parameters (shapes only) step as under torch.optim.AdamW: the coded states get their layout on meta
+    (it failed with torch's "Tensor.item() cannot be called on meta tensors")."""
+    with torch.device("meta"):
+        m = torch.nn.Linear(300, 20)
+    for p in m.parameters():
+        p.grad = torch.empty_like(p)
+    o = zk.FusedAdamW(m.parameters(), exp_avg_dtype=U8, exp_avg_sq_dtype=U8)
+    o.step()
+    st = o.state[m.weight]
+    assert st["exp_avg"].device.type == "meta" and st["exp_avg"].dtype == U8 and st["exp_avg_scale"].shape == (24,)
+
+
 def test_optimizer_hooks_see_the_saved_dict_and_the_loaded_states():
     """torch's optimizer hooks around coded states: a state-dict post-hook sees the dict state_dict() returns
     (saved names, ``u8_code``), a load pre-hook sees and may edit the dict as given (its edit is loaded), a load

@@ -339,6 +339,10 @@ def step_coded(backend: str, w: CodedWork, group: dict[str, Any], grad_scale: Te
                found_inf: Tensor | None) -> None:
     """One step of one work item's coded states on ``backend``; ``grad_scale`` is GradScaler's loss scale (the
     gradients are divided by it), ``found_inf`` nonzero skips the step."""
+    if w.device.type == "meta":       # shapes only (torch.optim.AdamW steps meta parameters too): no values to code
+        if w.steps is not None:
+            w.steps.add_(1)
+        return
     gs = None if grad_scale is None else grad_scale.to(w.device, torch.float32).reshape(1).reciprocal()
     fi = None if found_inf is None else found_inf.to(w.device, torch.float32).reshape(1)
     run_coded(backend, [p.detach() for p in w.params], [local(p.grad) for p in w.params], w.states, w.seeds, None,
