@@ -365,3 +365,23 @@ def test_coded_step_runs_eagerly_under_compile(backend):
     with pytest.raises(Exception, match="torch.compiler.disable"):
         torch.compile(lambda: opt.step(), backend=COMPILER[backend], fullgraph=True)()
     assert all(torch.equal(a, b) for a, b in zip(before[0], ps)) and float(opt.state[ps[0]]["step"]) == before[1]
+
+
+@pytest.mark.parametrize("pattern", ["c", "cc", "ec"])
+def test_write_after_compiled_steps_is_adopted_by_the_next_eager_step(pattern):
+    """bf16 parameters with fp32 masters, steps compiled (c) or eager (e), then a write through torch
+    (``nn.init.zeros_``) and an eager step: it continues from the written values, as after eager steps. When
+    every earlier step was compiled (no version counters recorded: the traced step reads none) the write used to
+    be undone by the master ([Note: parameters edited outside the optimizer])."""
+    p = torch.nn.Parameter(torch.randn(64).bfloat16())
+    opt = zk.FusedAdamW([p], lr=1e-2, backend="reference")
+    cstep = torch.compile(lambda: opt.step(), backend="eager", fullgraph=True)
+    g = torch.Generator().manual_seed(5)
+    for c in pattern:
+        p.grad = torch.randn(64, generator=g).bfloat16()
+        (cstep if c == "c" else opt.step)()
+    assert p.detach().abs().max() > 0.5
+    torch.nn.init.zeros_(p)
+    p.grad = torch.full((64,), 1e-3).bfloat16()
+    opt.step()
+    assert float(p.detach().float().abs().max()) < 0.05      # ~lr from zero; the old weights are ~1

@@ -304,6 +304,12 @@ def test_grad_scale_and_found_inf_kwargs(backend):
     before = p[0].detach().clone()
     oz.step(grad_scale=torch.tensor(64.0), found_inf=torch.tensor(1.0))
     assert torch.equal(before, p[0].detach()) and float(oz.state[p[0]]["step"]) == 1
+    # not one-element Tensors: refused naming the argument, before the step counters move (they used to)
+    for kw in (dict(grad_scale=8.0), dict(grad_scale=torch.tensor([8.0, 8.0])), dict(found_inf=True),
+               dict(found_inf=1.0), dict(found_inf=torch.zeros(2))):
+        with pytest.raises(TypeError, match=rf"step\({next(iter(kw))}=...\) takes a one-element Tensor.*Nothing"):
+            oz.step(**kw)
+        assert torch.equal(before, p[0].detach()) and float(oz.state[p[0]]["step"]) == 1, kw
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

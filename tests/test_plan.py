@@ -343,9 +343,11 @@ def test_simulate_options_list_matches_the_parser():
     assert main(["--params", "7e9", "--gpus", "16", "--inter-bw", "50", "--simulate"]) == 0   # with it: fine
 
 
-def test_closed_stdout_is_not_a_traceback(monkeypatch, tmp_path):
-    """`python -m zero_kernels.plan ... | head -1`: the reader leaves, the write fails with BrokenPipeError; the
-    planner stops quietly (was a traceback and 'Exception ignored' at exit)."""
+@pytest.mark.parametrize("tool", ["plan", "report", "checkpoint"])
+def test_closed_stdout_is_not_a_traceback(monkeypatch, tmp_path, tool):
+    """`python -m zero_kernels.plan ... | head -1` (and `.report`, `.checkpoint inspect`): the reader leaves, the
+    write fails with BrokenPipeError; the tool stops quietly (was a traceback and 'Exception ignored' at exit)."""
+    from zero_kernels import checkpoint_tools, report
     sink = open(tmp_path / "fd", "w")
 
     class Gone:
@@ -358,6 +360,10 @@ def test_closed_stdout_is_not_a_traceback(monkeypatch, tmp_path):
         def fileno(self):
             return sink.fileno()
 
+    if tool == "checkpoint":     # inspect prints the metadata first; this stand-in prints like it
+        monkeypatch.setattr(checkpoint_tools, "inspect", lambda path: print("checkpoint", path))
     monkeypatch.setattr(sys, "stdout", Gone())
-    assert main(["--params", "7e9"]) == 0
+    run = {"plan": lambda: main(["--params", "7e9"]), "report": lambda: report.main(["--no-compile"]),
+           "checkpoint": lambda: checkpoint_tools.main(["inspect", str(tmp_path)])}[tool]
+    assert run() == 0
     sink.close()

@@ -12,6 +12,7 @@ import sys
 
 import torch
 
+from ._cli import until_reader_leaves
 from .checkpoint_format import (VDIR, CheckpointError, Shards, atomic_write, canonical, check_state_codes, load_small,
                                 param_names, read_metadata, resolve, saved_layout)
 from .state_keys import canonical_names
@@ -276,15 +277,18 @@ def main(argv=None) -> int:
     c.add_argument("out")
     c.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the files")
     args = ap.parse_args(argv)
-    try:
-        if args.cmd == "inspect":
-            inspect(args.path)
-        else:
-            res = consolidate(args.path, args.out, verify=not args.no_verify)
-            n = sum(t.numel() for k, t in res["model"].items())
-            print(f"wrote {args.out}: {len(res['model'])} model entries ({n:,} elements), "
-                  f"{len(res['optimizer']['state'])} optimizer states")
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    def run() -> int:
+        try:
+            if args.cmd == "inspect":
+                inspect(args.path)
+            else:
+                res = consolidate(args.path, args.out, verify=not args.no_verify)
+                n = sum(t.numel() for k, t in res["model"].items())
+                print(f"wrote {args.out}: {len(res['model'])} model entries ({n:,} elements), "
+                      f"{len(res['optimizer']['state'])} optimizer states")
+        except CheckpointError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    return until_reader_leaves(run)      # `inspect ... | head`

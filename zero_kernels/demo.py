@@ -198,7 +198,8 @@ def _fmt_bytes(n: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m zero_kernels.demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=2, help="data-parallel processes (gloo, this machine)")
     ap.add_argument("--steps", type=int, default=50, help="training steps per run")
     ap.add_argument("--stage", type=int, nargs="+", default=[1, 2, 3], choices=[1, 2, 3],

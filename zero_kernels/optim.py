@@ -17,7 +17,7 @@ from . import _param_edits, backends, codecs, optim_coded
 from ._launch_plan import GroupPlan, Launch, is_low_precision, local, packed_steps, signature, state_error
 from ._traced_step import TracedStep
 from .codecs import BLOCK
-from .optim_checks import (OVERLAP_FIX, check_distinct, check_grads, check_group_keys, check_no_shared_memory,
+from .optim_checks import (OVERLAP_FIX, check_amp_args, check_distinct, check_grads, check_group_keys, check_no_shared_memory,
                            check_scalars, internal_overlap, param_dtype_problem)
 from .hparams import (check_coded_amsgrad, check_param_format, scalar_lr, validate_hparams as _validate_hparams,
                       validate_state_format)
@@ -338,13 +338,17 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
                 loss = closure()
         grad_scale = grad_scale if grad_scale is not None else getattr(self, "grad_scale", None)
         found_inf = found_inf if found_inf is not None else getattr(self, "found_inf", None)
+        check_amp_args(grad_scale, found_inf)
         if self._format.coded:
             self._step_coded(grad_scale, found_inf)
         elif torch.compiler.is_compiling():   # [Note: the traced step]
             self._traced_step(grad_scale, found_inf)
             return loss
         else:
+            unwatched = self._watch is _param_edits.NOTHING and bool(self.state)   # states made by traced steps
             work = self._prepare()
+            if unwatched:           # no versions recorded since: every master's parameter may have been written
+                self._watch = _param_edits.all_written(self.state)
             self._adopt_edits()
             for group, grads, plan in work:
                 self._run_plan(group, plan, grads, grad_scale, found_inf)

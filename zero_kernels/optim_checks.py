@@ -170,3 +170,18 @@ def check_grads(optimizer: str, gi: int, group: dict[str, Any], grads: list[Tens
                                f"parameter's {p.dtype}")
         if g.device != p.device:
             raise RuntimeError(f"{where}: gradient on {g.device}, parameter on {p.device}")
+
+
+def check_amp_args(grad_scale: Any, found_inf: Any) -> None:
+    """``step(grad_scale=, found_inf=)`` (or GradScaler's attributes of the same names): one-element Tensors, as
+    torch's fused optimizers take them; refused before anything changes (a float used to fail after the step
+    counters had moved)."""
+    for name, v, meaning, example in (
+            ("grad_scale", grad_scale, "the loss scale the gradients are divided by", "1024.0"),
+            ("found_inf", found_inf, "nonzero: skip the step", "1.0")):
+        if v is None or (isinstance(v, Tensor) and v.numel() == 1 and v.dtype not in (torch.complex64,
+                                                                                       torch.complex128)):
+            continue
+        got = f"a Tensor of shape {tuple(v.shape)}, dtype {v.dtype}" if isinstance(v, Tensor) else repr(v)
+        raise TypeError(f"step({name}=...) takes a one-element Tensor ({meaning}; GradScaler sets it) or None, got "
+                        f"{got}: pass e.g. torch.tensor([{example}]). Nothing was changed.")

@@ -23,6 +23,7 @@ import sys
 from typing import Sequence
 
 from . import memory as M
+from ._cli import until_reader_leaves
 from . import simulate as S
 from .plan_chart import capacity, capacity_series, fmt_params, nbytes_of, plot_memory, plot_path_problem
 
@@ -300,14 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = _resolve(args, parser)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2), message already printed
         return e.code if isinstance(e.code, int) else 2
-    try:
-        status = _run(parser, args, cfg)
-        sys.stdout.flush()   # inside the try: a reader that left fails the flush, not the interpreter's exit
-        return status
-    except BrokenPipeError:   # `plan ... | head`: the reader left; say nothing more (Python's own advice)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 0
+    return until_reader_leaves(lambda: _run(parser, args, cfg))     # `plan ... | head`
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, cfg: dict) -> int:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from . import __version__, _build, _ext, backends
+from ._cli import until_reader_leaves
 
 __all__ = ["collect", "main"]
 
@@ -169,8 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="skip the Triton ahead-of-time compile probe")
     args = ap.parse_args(argv)
     facts = collect(compile_probe=not args.no_compile)
-    print(json.dumps(facts, indent=2) if args.json else "\n".join(_lines(facts)))
-    return 0
+
+    def show() -> int:
+        print(json.dumps(facts, indent=2) if args.json else "\n".join(_lines(facts)))
+        return 0
+    return until_reader_leaves(show)      # `report | head`
 
 
 if __name__ == "__main__":
