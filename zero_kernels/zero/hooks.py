@@ -290,6 +290,8 @@ class Stage2Reducer:
                 r.grad_slice = None
             elif r.grad_slice is not None:
                 r.grad_slice.zero_()
+            elif r.spare_slice is not None:     # consumed by the last step: zeros, which the next step applies
+                r.grad_slice, r.spare_slice = r.spare_slice.zero_(), None   # (HookReduced.zero_grad: as torch's)
             for p in b.params:
                 p.grad = None
 
