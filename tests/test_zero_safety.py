@@ -315,12 +315,31 @@ BAD_CTOR = [   # (stage, kwargs, exception, message) -- each raises before the m
     (2, dict(param_groups=[{"params": ["gate"], "lr": NAN}, {"params": ["emb.weight"]}]), ValueError,
      r"Invalid learning rate: nan in param_groups\[0\]"),
     (2, dict(param_groups=[{"params": ["gate"], "lr": 0.1}]), ValueError, "in no param group"),
-    (2, dict(param_groups=[{"params": ["gate"], "foo": 1}]), ValueError, "unknown keys"),
+    (2, dict(param_groups=[{"params": ["gate"], "stage": 3}]), ValueError,
+     r"param_groups\[0\] sets 'stage', which holds for the whole optimizer"),
+    (2, dict(param_groups=[{"params": ["gate"], "note": object()}]), ValueError,
+     r"param_groups\[0\]\['note'\] is a object: .*plain data"),
     (2, dict(bogus=1), TypeError, r"unexpected keyword argument\(s\) 'bogus'; its options are"),
     (2, dict(exp_avg_dtype=torch.uint8, min_8bit_size=0), TypeError, "ZeroAdamW has no min_8bit_size"),
     (2, dict(prefetch=2), ValueError, r"prefetch= configure stage 3's parameter gathers; stage 2"),
     (1, dict(gather_cache=False, wrap=[nn.Linear]), ValueError, "wrap=, gather_cache= configure stage 3"),
 ]
+
+
+def test_param_group_keys_besides_the_hyperparameters_are_kept():
+    """As torch.optim: a group's own keys (a ``"name"``, timm's ``"lr_scale"`` that its scheduler reads) stay in
+    param_groups and the state dict (they were refused as unknown keys)."""
+    model = make_model()
+    ps = dict(model.named_parameters())
+    groups = [{"params": [ps["gate"]], "name": "gate", "lr_scale": 0.5},
+              {"params": [p for n, p in ps.items() if n != "gate"], "name": "rest", "tags": ["a", 1]}]
+    zopt = zk.ZeroAdamW(model, stage=2, backend="reference", param_groups=groups)
+    try:
+        assert [g["name"] for g in zopt.param_groups] == ["gate", "rest"] and zopt.param_groups[0]["lr_scale"] == 0.5
+        sd = zopt.state_dict()
+        assert [g.get("name") for g in sd["param_groups"]] == ["gate", "rest"], sd["param_groups"]
+    finally:
+        zopt.remove_hooks()
 
 
 @pytest.mark.parametrize("stage,kw,exc,msg", BAD_CTOR, ids=[str(i) for i in range(len(BAD_CTOR))])

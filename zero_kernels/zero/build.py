@@ -3,6 +3,7 @@ model without changing it, agree with every rank, lay out the buckets (:func:`pl
 the parameters to the buckets (:func:`bind`), the first step that changes the model."""
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any, NamedTuple
 
 import torch
@@ -48,7 +49,8 @@ def plan(model: nn.Module, cfg: ZeroConfig, defaults: dict, param_groups, mesh: 
         raise ValueError("this process is not a member of process_group: construct the optimizer "
                          "only on the ranks of its data-parallel group")
     mp = read_model(model)
-    groups, group_of, group_err = resolve_groups(param_groups, mp, defaults)
+    groups, group_of, group_err = resolve_groups(param_groups, mp, defaults,
+                                                 optimizer_wide=tuple(f.name for f in fields(ZeroConfig)))
     error = owner_error(mp.uniq) or model_error(mp.trainable, cfg.param_dtype) or sparse_module_error(model, mp) \
         or group_err \
         or format_error(cfg, mp.trainable, [{**defaults, **g} for g in groups])

@@ -119,8 +119,16 @@ def _group_params(gi: int, g: dict, mp: ModelParams, group_of: dict[int, int]):
     return ps, None
 
 
-def resolve_groups(param_groups, mp: ModelParams, defaults: dict):
-    """(groups as torch.optim param_group dicts of Parameters, group index per parameter id, error)."""
+def _plain_data(v) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str)) or (
+        isinstance(v, (list, tuple)) and all(_plain_data(x) for x in v))
+
+
+def resolve_groups(param_groups, mp: ModelParams, defaults: dict, optimizer_wide: tuple[str, ...] = ()):
+    """(groups as torch.optim param_group dicts of Parameters, group index per parameter id, error).
+    Keys besides the hyper-parameters are kept, as torch.optim keeps them (a group's ``"name"``, timm's
+    ``"lr_scale"`` read by its scheduler), if they are plain data (checkpoints save them as JSON) and not one of
+    ``optimizer_wide`` (ZeroAdamW's own options, which hold for every group)."""
     if param_groups is None:
         return [{"params": [p for _, p in mp.trainable]}], {id(p): 0 for _, p in mp.trainable}, None
     out, group_of = [], {}
@@ -131,9 +139,16 @@ def resolve_groups(param_groups, mp: ModelParams, defaults: dict):
         if err:
             return [], {}, err
         extra = {k: v for k, v in g.items() if k != "params"}
-        unknown = set(extra) - set(HPARAM_KEYS)
-        if unknown:
-            return [], {}, f"param_groups[{gi}] has unknown keys {sorted(unknown)}"
+        others = sorted(set(extra) - set(HPARAM_KEYS))
+        wide = [k for k in others if k in optimizer_wide]
+        if wide:
+            return [], {}, (f"param_groups[{gi}] sets {wide[0]!r}, which holds for the whole optimizer, not per "
+                            "group: pass it to ZeroAdamW(...) itself")
+        odd = [k for k in others if not _plain_data(extra[k])]
+        if odd:
+            return [], {}, (f"param_groups[{gi}][{odd[0]!r}] is a {type(extra[odd[0]]).__name__}: keys besides the "
+                            "hyper-parameters are kept as torch.optim keeps them, but must be plain data (numbers, "
+                            "strings, lists of them) for checkpoints to save them")
         h = {**defaults, **extra}
         try:
             validate_hparams(h["lr"], h["betas"], h["eps"], h["weight_decay"], where=f" in param_groups[{gi}]")
