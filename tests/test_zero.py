@@ -691,6 +691,15 @@ def test_one_zero_optimizer_per_model_single_process():
         z1.zero_grad()
         assert max(z1.steps) == 2
         z1.remove_hooks()
+        if stage < 3:                               # (stage 3's parameters are empty now: no forward)
+            loss_fn(model, idx, tgt).backward()
+        for call, what in ((z1.step, "step"), (lambda: z1.clip_grad_norm_(1.0), "clip_grad_norm_")):
+            with pytest.raises(RuntimeError, match=rf"{what}\(\) on a ZeroAdamW detached from its module by "
+                                                   r"remove_hooks\(\).*Nothing was changed"):
+                call()                              # stage 1 stepped (the docstring said it cannot); 2 blamed p.grad
+        assert max(z1.steps) == 2
+        for p in model.parameters():
+            p.grad = None
         if stage == 3:
             with pytest.raises(ValueError, match="is empty: a ZeroAdamW at stage 3 sharded this model"):
                 zk.ZeroAdamW(model, stage=3, backend="reference")

@@ -171,6 +171,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         coefficient is folded into the next step's grad_scale (no pass over the gradients). torch's own
         ``clip_grad_norm_(model.parameters(), ...)`` raises ShardedGradError naming this method
         ([Note: gradient placeholders] in grad_guard.py)."""
+        self._check_attached("clip_grad_norm_()")
         check_frozen(self._frozen_named)
         self.strategy.check_grads()
         self._reduce_all()
@@ -200,6 +201,7 @@ class ZeroAdamW(torch.optim.Optimizer):
     def step(self, closure=None, *, grad_scale: Tensor | None = None, found_inf: Tensor | None = None):
         """[Note: the ZeRO step]. ``grad_scale`` / ``found_inf``: the GradScaler protocol of torch's
         fused optimizers (also read from the attributes GradScaler sets)."""
+        self._check_attached("step()")
         self.strategy.wait_for_params()                 # the step writes the slices the gathers read
         check_bound(self.buckets)                       # [Note: bound parameters] (buckets.py)
         check_frozen(self._frozen_named)                # a parameter unfrozen since construction
@@ -356,11 +358,20 @@ class ZeroAdamW(torch.optim.Optimizer):
         empty_gather_cache()
 
     def remove_hooks(self) -> None:
-        """Detach the optimizer from the module (gradient and forward hooks); it cannot step after. At stages
-        1-2 the parameters keep their values and another ZeroAdamW may take them; at stage 3 they stay empty
-        ([Note: one ZeroAdamW per parameter] in ownership.py)."""
+        """Detach the optimizer from the module (gradient and forward hooks); it cannot step after (step() and
+        clip_grad_norm_ raise; state_dict / save_checkpoint still work). At stages 1-2 the parameters keep their
+        values and another ZeroAdamW may take them; at stage 3 they stay empty ([Note: one ZeroAdamW per
+        parameter] in ownership.py)."""
         self.strategy.remove()
         release(self._claimed, self._claim)
+        self._detached = True
+
+    def _check_attached(self, what: str) -> None:
+        if getattr(self, "_detached", False):
+            raise RuntimeError(f"{what} on a ZeroAdamW detached from its module by remove_hooks(): it no longer "
+                               "receives gradients and may not own the parameters; build a new ZeroAdamW for the "
+                               "module (its state_dict() or checkpoint carries this one's states over). Nothing "
+                               "was changed.")
 
 
 class ZeroAdam(ZeroAdamW):
