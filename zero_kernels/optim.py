@@ -17,8 +17,8 @@ from . import _param_edits, backends, codecs, optim_coded
 from ._launch_plan import GroupPlan, Launch, is_low_precision, local, packed_steps, signature, state_error
 from ._traced_step import TracedStep
 from .codecs import BLOCK
-from .optim_checks import (OVERLAP_FIX, check_amp_args, check_distinct, check_grads, check_group_keys, check_no_shared_memory,
-                           check_scalars, internal_overlap, param_dtype_problem)
+from .optim_checks import (OVERLAP_FIX, check_amp_args, check_distinct, check_grads, check_group_keys,
+                           check_no_shared_memory, check_scalars, internal_overlap, param_dtype_problem)
 from .hparams import (check_coded_amsgrad, check_param_format, scalar_lr, validate_hparams as _validate_hparams,
                       validate_state_format)
 from .reference import compute_coeffs

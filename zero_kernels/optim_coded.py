@@ -177,9 +177,11 @@ def _convert_master(where: str, saved: dict[str, Any], p: Tensor, target: dict[s
         # Saved for a 16-bit parameter that is fp32 now (``model.float()``): its master goes along as
         # master_param, which the loading optimizer adopts into the parameter (FusedAdam._adopt_master_after_cast)
         # instead of keeping the 16-bit rounding.
-        target["master_param"] = (saved["master_param"].to(p.device, torch.float32, copy=True) if "master_param" in saved
-                                  else codecs.join_remainder(p.detach().to(torch.bfloat16),
-                                                             saved["master_remainder"].to(p.device)))
+        if "master_param" in saved:
+            target["master_param"] = saved["master_param"].to(p.device, torch.float32, copy=True)
+        else:
+            target["master_param"] = codecs.join_remainder(p.detach().to(torch.bfloat16),
+                                                           saved["master_remainder"].to(p.device))
         return True
     return False
 
