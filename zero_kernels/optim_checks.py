@@ -3,6 +3,7 @@ of a group is reported, naming it, before any state changes (the optimizer runs 
 a plan or advances a step counter)."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -147,8 +148,21 @@ def check_scalars(gi: int, group: dict[str, Any]) -> None:
     if isinstance(betas, (tuple, list)) and any(isinstance(b, Tensor) for b in betas) \
             and all(isinstance(b, Tensor) and b.numel() == 1 for b in betas):
         betas = (0.0, 0.0)
-    validate_hparams(0.0 if isinstance(lr, Tensor) and lr.numel() == 1 else lr, betas, group["eps"],
-                     group["weight_decay"], where=f" in param_groups[{gi}] (nothing was changed)")
+    hp = (0.0 if isinstance(lr, Tensor) and lr.numel() == 1 else lr,
+          tuple(betas) if isinstance(betas, list) else betas, group["eps"], group["weight_decay"])
+    if not (all(type(x) in (int, float) for x in (hp[0], hp[2], hp[3])) and isinstance(hp[1], tuple)
+            and all(type(b) in (int, float) for b in hp[1]) and _valid_numbers(*hp)):
+        validate_hparams(*hp, where=f" in param_groups[{gi}] (nothing was changed)")
+
+
+@functools.lru_cache(maxsize=256)
+def _valid_numbers(lr: float, betas: tuple, eps: float, weight_decay: float) -> bool:
+    """validate_hparams' verdict on plain numbers, remembered (check_scalars runs every step, per group)."""
+    try:
+        validate_hparams(lr, betas, eps, weight_decay)
+    except ValueError:
+        return False
+    return True
 
 def check_grads(optimizer: str, gi: int, group: dict[str, Any], grads: list[Tensor | None]) -> None:
     """Every bad gradient of group ``gi`` is reported, naming it, before any state changes."""
