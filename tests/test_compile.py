@@ -385,3 +385,30 @@ def test_write_after_compiled_steps_is_adopted_by_the_next_eager_step(pattern):
     p.grad = torch.full((64,), 1e-3).bfloat16()
     opt.step()
     assert float(p.detach().float().abs().max()) < 0.05      # ~lr from zero; the old weights are ~1
+
+
+def test_gradients_that_come_and_go_reuse_their_graphs():
+    """A parameter whose gradient is None every other step (a branch used every other step): the compiled step
+    settles on two graphs, as torch.optim.AdamW's, equal to the eager step bit for bit. Each rebuilt plan used to
+    repack the step counters into a new buffer (new ``state["step"]`` tensors, which Dynamo guards on): every switch
+    recompiled, and fullgraph=True hit the recompile limit after 8 (FailOnRecompileLimitHit)."""
+    from torch._dynamo.utils import counters
+    runs = []
+    for compiled in (True, False):
+        torch._dynamo.reset()
+        counters.clear()
+        ps = [torch.randn(5, 3, generator=torch.Generator().manual_seed(1)).requires_grad_(),
+              torch.randn(4, generator=torch.Generator().manual_seed(2)).requires_grad_()]
+        opt = zk.FusedAdamW(ps, lr=1e-2, backend="reference")
+        step = torch.compile(lambda: opt.step(), backend="eager", fullgraph=True) if compiled else opt.step
+        for s in range(12):
+            g = torch.Generator().manual_seed(s)
+            for i, p in enumerate(ps):
+                grad = torch.randn(p.shape, generator=g)
+                p.grad = None if (i == 1 and s % 2) else grad
+            step()
+        if compiled:
+            assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+        runs.append([p.detach().clone() for p in ps] + [float(opt.state[p]["step"]) for p in ps])
+    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(*runs))
+    assert runs[0][2:] == [12.0, 6.0]

@@ -17,7 +17,9 @@ Step counters. torch keeps one 0-dim ``state["step"]`` per parameter; incrementi
 a 1,000-tensor foreach op (2-3 ms of host time on CPU). A launch's counters are instead views
 ``steps[k]`` of one 1-D buffer (same values, same ``state_dict``; a state dict loaded from torch is
 repacked once), so a step is one ``add_`` on the buffer, found-inf included, and the coefficients
-are computed from the buffer without stacking. The buffer lives on the parameters' device (as
+are computed from the buffer without stacking. A plan rebuilt because gradients came or went keeps the
+buffer its launch's counters already live in (``shared_steps``: an ``index_add_`` and an ``index_select``
+on the positions of the subset) rather than repacking them, so the counters never move. The buffer lives on the parameters' device (as
 torch's fused AdamW keeps ``step``): with a GradScaler's device ``found_inf`` nothing is read back.
 
 Plans with non-contiguous parameters (updated through contiguous temporaries copied back) are
@@ -65,7 +67,8 @@ class Launch:
     exp_avg_sqs: list[Tensor] = field(default_factory=list)
     max_exp_avg_sqs: list[Tensor] = field(default_factory=list)
     params16: list[Tensor] = field(default_factory=list)
-    steps: Tensor | None = None         # 1-D; state["step"] of index[k] is a view of steps[k]
+    steps: Tensor | None = None         # 1-D; state["step"] of index[k] is a view of steps[k] ...
+    step_index: Tensor | None = None    # ... or of steps[step_index[k]] (a subset of an earlier plan's buffer)
 
 
 @dataclass
@@ -113,6 +116,21 @@ def states_unchanged(states: list[dict], snapshot: list) -> bool:
     """No state value added, removed or replaced since ``snapshot`` (identity checks only)."""
     now = state_values(states)
     return len(now) == len(snapshot) and all(map(operator.is_, now, snapshot))
+
+
+def shared_steps(steps: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """(buffer, positions) when every step of ``steps`` is a distinct 0-d element of one 1-D fp32 buffer on ``device``
+    (an earlier plan's, of which this launch takes a subset or another order), else None. Used instead of a new
+    buffer, the states' ``step`` tensors keep their identity when gradients come and go: torch.compile guards on
+    it ([Note: the traced step]) and would otherwise recompile at every such switch."""
+    base = steps[0]._base if steps else None
+    if (base is None or base.dim() != 1 or base.device != device or base.dtype != torch.float32
+            or not base.is_contiguous()):
+        return None
+    pos = [s.storage_offset() - base.storage_offset() for s in steps]
+    if not all(s._base is base and s.dim() == 0 for s in steps) or len(set(pos)) != len(pos):
+        return None
+    return base, torch.tensor(pos, dtype=torch.int64, device=device)
 
 
 def packed_steps(steps: list[Tensor], device: torch.device) -> Tensor:

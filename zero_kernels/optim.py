@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from . import _param_edits, backends, codecs, optim_coded
-from ._launch_plan import GroupPlan, Launch, is_low_precision, local, packed_steps, signature, state_error
+from ._launch_plan import (GroupPlan, Launch, is_low_precision, local, packed_steps, shared_steps, signature,
+                           state_error)
 from ._traced_step import TracedStep
 from .codecs import BLOCK
 from .optim_checks import (OVERLAP_FIX, check_amp_args, check_distinct, check_grads, check_group_keys,
@@ -32,12 +33,15 @@ def _scalar(x: float | Tensor) -> float:
     return float(x.item()) if isinstance(x, Tensor) else float(x)
 
 
-def _advance(steps: Tensor, found_inf: Tensor | None) -> Tensor:
+def _advance(steps: Tensor, found_inf: Tensor | None, index: Tensor | None = None) -> Tensor:
     """A launch's packed step counters advanced in place, by 1 - found_inf on the device (torch's
-    fused path): one op, whatever the number of parameters ([Note: launch plans])."""
-    if found_inf is not None:
-        return steps.add_(1.0 - found_inf.to(steps.device, torch.float32).reshape(()))
-    return steps.add_(1.0)
+    fused path): one op, whatever the number of parameters ([Note: launch plans]); with ``index`` only
+    those elements of ``steps`` (returned as a new 1-D tensor, in the launch's order)."""
+    inc = 1.0 if found_inf is None else 1.0 - found_inf.to(steps.device, torch.float32).reshape(())
+    if index is None:
+        return steps.add_(inc)
+    steps.index_add_(0, index, torch.ones(index.numel(), device=steps.device) * inc)
+    return steps.index_select(0, index)
 
 
 class FusedAdam(TracedStep, torch.optim.Optimizer):
@@ -417,9 +421,14 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
             steps[key].append(state["step"])
         for key, L in launches.items():
             L.steps = packed_steps(steps[key], L.device)
-            if steps[key][0]._base is not L.steps:   # a new buffer: its views become the states' steps
-                for k, pi in enumerate(L.index):
-                    self.state[params[pi]]["step"] = L.steps[k]
+            if steps[key][0]._base is L.steps:
+                continue
+            shared = shared_steps(steps[key], L.device)
+            if shared is not None:                  # a subset of an earlier buffer: the counters stay put
+                L.steps, L.step_index = shared
+                continue
+            for k, pi in enumerate(L.index):        # a new buffer: its views become the states' steps
+                self.state[params[pi]]["step"] = L.steps[k]
         plan = GroupPlan(signature=sig, epoch=self._epoch, amsgrad=bool(group["amsgrad"]),
                          dtensor=any(local(g) is not g for g in grads if g is not None),
                          contiguous_grads=all(s[4] for s in sig if s is not None),
@@ -434,7 +443,7 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         """The launches of one group: device ops and kernel calls only, no host read-back."""
         for L in plan.launches:
             name = "reference" if L.ref_only else (self._resolved.get(L.device) or self._resolve(L.device))
-            self._launch(group, backends.get(name), _advance(L.steps, found_inf), L.masters,
+            self._launch(group, backends.get(name), _advance(L.steps, found_inf, L.step_index), L.masters,
                          plan.grads_for(L, grads), L.exp_avgs, L.exp_avg_sqs, L.max_exp_avg_sqs,
                          L.params16 if L.p16_dtype is not None else None, grad_scale, found_inf)
         for dst, tmp in plan.writebacks:
