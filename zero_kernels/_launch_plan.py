@@ -19,8 +19,9 @@ a 1,000-tensor foreach op (2-3 ms of host time on CPU). A launch's counters are 
 repacked once), so a step is one ``add_`` on the buffer, found-inf included, and the coefficients
 are computed from the buffer without stacking. A plan rebuilt because gradients came or went keeps the
 buffer its launch's counters already live in (``shared_steps``: an ``index_add_`` and an ``index_select``
-on the positions of the subset) rather than repacking them, so the counters never move. The buffer lives on the parameters' device (as
-torch's fused AdamW keeps ``step``): with a GradScaler's device ``found_inf`` nothing is read back.
+on the positions of the subset) rather than repacking them, so the counters never move. The buffer
+lives on the parameters' device (as torch's fused AdamW keeps ``step``): with a GradScaler's device
+``found_inf`` nothing is read back.
 
 Plans with non-contiguous parameters (updated through contiguous temporaries copied back) are
 rebuilt every step: correct, rare, and not worth a cache.
