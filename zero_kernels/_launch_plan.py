@@ -119,18 +119,28 @@ def states_unchanged(states: list[dict], snapshot: list) -> bool:
     return len(now) == len(snapshot) and all(map(operator.is_, now, snapshot))
 
 
-def shared_steps(steps: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor] | None:
-    """(buffer, positions) when every step of ``steps`` is a distinct 0-d element of one 1-D fp32 buffer on ``device``
-    (an earlier plan's, of which this launch takes a subset or another order), else None. Used instead of a new
-    buffer, the states' ``step`` tensors keep their identity when gradients come and go: torch.compile guards on
-    it ([Note: the traced step]) and would otherwise recompile at every such switch."""
+def _step_views(steps: list[Tensor], device: torch.device) -> tuple[Tensor, list[int]] | None:
+    """(buffer, positions) when every step of ``steps`` is a distinct 0-d element of one contiguous 1-D fp32
+    buffer on ``device`` (an earlier plan's), else None."""
     base = steps[0]._base if steps else None
     if (base is None or base.dim() != 1 or base.device != device or base.dtype != torch.float32
-            or not base.is_contiguous()):
+            or not base.is_contiguous() or not all(s._base is base and s.dim() == 0 for s in steps)):
         return None
     pos = [s.storage_offset() - base.storage_offset() for s in steps]
-    if not all(s._base is base and s.dim() == 0 for s in steps) or len(set(pos)) != len(pos):
+    return (base, pos) if len(set(pos)) == len(pos) else None
+
+
+def shared_steps(steps: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor | None] | None:
+    """(buffer, positions) of the buffer ``steps`` already live in (positions None: all of it, in order), else
+    None. Used instead of a new buffer, the states' ``step`` tensors keep their identity when gradients come
+    and go: torch.compile guards on it ([Note: the traced step]) and would otherwise recompile at every such
+    switch."""
+    views = _step_views(steps, device)
+    if views is None:
         return None
+    base, pos = views
+    if pos == list(range(base.numel())):
+        return base, None
     return base, torch.tensor(pos, dtype=torch.int64, device=device)
 
 
@@ -138,12 +148,9 @@ def packed_steps(steps: list[Tensor], device: torch.device) -> Tensor:
     """A 1-D fp32 buffer on ``device`` whose element k holds ``steps[k]``: the steps' common base
     when they already are its consecutive elements (the previous plan's buffer), else a new one
     (the caller then stores the views ``buf[k]`` as the states' ``"step"``)."""
-    base = steps[0]._base if steps else None
-    if (base is not None and base.dim() == 1 and base.numel() == len(steps) and base.device == device
-            and base.dtype == torch.float32 and base.is_contiguous()
-            and all(s._base is base and s.dim() == 0 and s.storage_offset() == k + base.storage_offset()
-                    for k, s in enumerate(steps))):
-        return base
+    shared = shared_steps(steps, device)
+    if shared is not None and shared[1] is None:
+        return shared[0]
     return torch.stack([s.detach().reshape(()).to(device=device, dtype=torch.float32) for s in steps]) \
         if steps else torch.zeros(0, device=device)
 

@@ -420,13 +420,11 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
                 L.params16.append(p16)
             steps[key].append(state["step"])
         for key, L in launches.items():
-            L.steps = packed_steps(steps[key], L.device)
-            if steps[key][0]._base is L.steps:
-                continue
             shared = shared_steps(steps[key], L.device)
-            if shared is not None:                  # a subset of an earlier buffer: the counters stay put
+            if shared is not None:                  # the buffer (or a subset of it) they live in: they stay put
                 L.steps, L.step_index = shared
                 continue
+            L.steps = packed_steps(steps[key], L.device)
             for k, pi in enumerate(L.index):        # a new buffer: its views become the states' steps
                 self.state[params[pi]]["step"] = L.steps[k]
         plan = GroupPlan(signature=sig, epoch=self._epoch, amsgrad=bool(group["amsgrad"]),
