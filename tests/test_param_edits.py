@@ -250,8 +250,38 @@ def _zero_worker(rank, world):
                 assert unseen["0.weight"].float()[~mask].abs().max() > 2 * 3 * HP["lr"], (stage, name)
             else:
                 assert all(torch.equal(unseen[k], by_torch[k]) for k in by_torch), (stage, name)
+    for stage in (1, 2):    # .data REPLACED (not written in place): refresh_fp32_params raises as step() does
+        m = net()
+        o = zk.ZeroAdamW(m, stage=stage, param_dtype=BF, backend="reference", timeout=60, **HP)
+        m[2].weight.data = m[2].weight.detach().clone()
+        with pytest.raises(RuntimeError, match=r"parameter '2.weight' is no longer stored in ZeroAdamW's buffers"):
+            o.refresh_fp32_params()
 
 
 def test_zero_stages_1_2_adopt_parameters_written_between_steps():
     from _dist import run_world
     run_world(_zero_worker, 2, timeout=240)
+
+
+@pytest.mark.parametrize("fmt", ["fp32 master", "remainders"])
+def test_refresh_after_a_shape_or_dtype_change_through_data_names_the_parameter(fmt):
+    """``p.data = <another shape>`` (or, with remainders, another dtype) then refresh_fp32_params(): an error naming
+    the parameter and the fix, raised before any master changes (was torch's bare "The size of tensor a (20)
+    must match ..." from the adoption)."""
+    m = net().to(BF)
+    o = zk.FusedAdamW(m.parameters(), backend="cpu", **HP, **FORMATS[fmt])
+    train(m, o, 2, 1)
+    key = "master_param" if fmt == "fp32 master" else "master_remainder"
+    first = o.state[m[0].weight][key].clone()
+    with torch.no_grad():
+        m[0].weight.mul_(0.5)                             # a write the refresh would adopt ...
+    m[2].weight.data = torch.zeros(5, 41, dtype=BF)      # ... and a shape change in a later parameter
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[2\] has shape \(5, 41\), its state "
+                                           f"'{key}' \\(3, 41\\).*build a new one.*No master was changed"):
+        o.refresh_fp32_params()
+    assert torch.equal(o.state[m[0].weight][key], first)
+    if fmt == "remainders":
+        m[2].weight.data = torch.zeros(3, 41)
+        with pytest.raises(RuntimeError, match=r"\['params'\]\[2\] is torch.float32 now.*must stay bf16"):
+            o.refresh_fp32_params()
+        assert torch.equal(o.state[m[0].weight][key], first)

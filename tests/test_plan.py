@@ -272,6 +272,20 @@ def test_tp_pp_error_names_flags_and_fix(capsys):
     assert "--tp 8 x --pp 8 = 64" in err and "64 or 128" in err
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--params", "-7e9"], "argument --params: parameter count must be >= 1, got '-7e9'"),
+    (["--params", "-7B"], "argument --params: parameter count must be >= 1, got '-7B'"),
+    (["--params", "7e9", "--gpu-mem", "-1e3"], "argument --gpu-mem: expected a positive number, got '-1e3'"),
+    (["--params", "7e9", "--reserve", "-0.5"], "--reserve must be a fraction in [0, 1), got -0.5"),
+])
+def test_negative_values_get_the_options_own_message(argv, says, capsys):
+    # argparse reads '-7e9' after an option as another option ("expected one argument"); _cli.parse_args
+    # hands it to the option, whose check names the value
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and "expected one argument" not in err
+
+
 def _table_capacities(out: str) -> list[str]:
     row = next(ln for ln in out.splitlines() if ln.startswith("largest model on"))
     return row.split()[-4:]

@@ -314,6 +314,21 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         ``p.data`` bypass the version counter: call this after them (DeepSpeed's name for the same). Without it
         an fp32 master undoes such a write at the next step; a remainder keeps it, joined to a stale fraction
         of a bf16 ulp."""
+        for gi, group in enumerate(self.param_groups):   # every master checked before any is changed
+            for pi, p in enumerate(group["params"]):
+                st = self.state.get(p, {})
+                for k in _param_edits.MASTER_KEYS:
+                    if k in st and local(st[k]).shape != local(p).shape:
+                        raise RuntimeError(
+                            f"refresh_fp32_params: param_groups[{gi}]['params'][{pi}] has shape {tuple(local(p).shape)}, "
+                            f"its state {k!r} {tuple(local(st[k]).shape)} (was p.data given another shape?); an "
+                            "optimizer cannot carry states across a shape change: build a new one for the new "
+                            "shapes. No master was changed.")
+                if "master_remainder" in st and p.dtype != torch.bfloat16:
+                    raise RuntimeError(
+                        f"refresh_fp32_params: param_groups[{gi}]['params'][{pi}] is {p.dtype} now; its master is kept "
+                        "as the bf16 parameter's bits plus an int16 remainder (store_param_remainders=True), so the "
+                        "parameter must stay bf16. No master was changed.")
         for p, st in self.state.items():
             _param_edits.adopt(p, st)
         self._watch = _param_edits.watch(self.state)

@@ -23,7 +23,7 @@ import sys
 from typing import Sequence
 
 from . import memory as M
-from ._cli import until_reader_leaves
+from ._cli import parse_args, until_reader_leaves
 from . import simulate as S
 from .plan_chart import capacity, capacity_series, fmt_params, nbytes_of, plot_memory, plot_path_problem
 
@@ -43,6 +43,8 @@ _ROWS = [("params", "params"), ("grads", "grads"), ("master_params", "master par
 def _param_count(text: str) -> int:
     """'7e9', '7B', '1.5b', '350M', '1T' -> int."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", text)
+    if not m and text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"parameter count must be >= 1, got {text!r}")
     if not m:
         raise argparse.ArgumentTypeError(
             f"invalid parameter count {text!r}: use a number like 7e9, 7000000000, 7B or 350M")
@@ -297,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the planner; returns the exit status (0 ok, 2 bad input) instead of exiting."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parse_args(parser, argv)
         cfg = _resolve(args, parser)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2), message already printed
         return e.code if isinstance(e.code, int) else 2

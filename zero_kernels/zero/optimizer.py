@@ -293,8 +293,13 @@ class ZeroAdamW(torch.optim.Optimizer):
         outside the optimizer]): call it after writes through ``p.data``, which no version counter sees
         (DeepSpeed's name). Not collective: each rank adopts the slice it owns, which the next all-gather
         spreads, so every rank must have written the same values. Stage 3 keeps no parameters between steps:
-        nothing to adopt."""
+        nothing to adopt. A parameter whose ``.data`` was REPLACED (not written in place) is no longer ZeroAdamW's:
+        that raises here, as at step(), before any master changes."""
         self.wait_for_params()
+        for b in self.buckets:
+            moved = b.moved_param()
+            if moved is not None:
+                raise b.moved_error(*moved)
         for b in self.buckets:
             b.adopt_edits(force=True)
 
