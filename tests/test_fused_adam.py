@@ -546,8 +546,11 @@ def test_bad_hyperparameters_raise(kwargs, msg):
 
 
 def test_bad_parameters_raise():
-    with pytest.raises(ValueError, match="complex"):
+    with pytest.raises(ValueError, match=r"complex.*keep a real Parameter of shape \(\.\.\., 2\) and use "
+                                         r"torch.view_as_complex"):
         zk.FusedAdamW([torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))])
+    with pytest.raises(ValueError, match=r"\['params'\]\[2\] is an uninitialized parameter of a lazy module.*dry run"):
+        zk.FusedAdamW(torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.LazyLinear(4)).parameters())
     with pytest.raises((ValueError, RuntimeError), match="floating"):
         zk.FusedAdamW([torch.zeros(3, dtype=torch.int64)])
     with pytest.raises(ValueError,
@@ -705,6 +708,33 @@ def test_replaced_or_reordered_group_params_step_the_new_ones(backend, fmt):
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, rtol=0, atol=0.05 if fmt else 1e-6)
     assert torch.equal(got[0], want[0]) and got[1][0] < -0.05        # old stepped once only, new stepped
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", FMTS, ids=["fp32 states", "8-bit"])
+def test_one_cycle_momentum_on_tensor_betas_steps_like_torch(backend, fmt):
+    """OneCycleLR (cycle_momentum=True, its default) writes a float beta1 beside a Tensor beta2; torch.optim.AdamW
+    steps on, and so does FusedAdamW (every step was refused: "betas must be either both floats or both
+    Tensors"); fp32 states follow torch, 8-bit states the reference backend, over 6 scheduled steps."""
+    def run(cls, **kw):
+        torch.manual_seed(3)
+        ps = [torch.nn.Parameter(torch.randn(n)) for n in (300, 1031)]
+        o = cls(ps, lr=1e-3, betas=(torch.tensor(0.9), torch.tensor(0.999)), **kw)
+        sched = torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=10)
+        for s in range(6):
+            g = torch.Generator().manual_seed(s)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            o.step()
+            sched.step()
+        assert isinstance(o.param_groups[0]["betas"][0], float) and isinstance(o.param_groups[0]["betas"][1],
+                                                                             torch.Tensor)
+        return ps
+    got = run(zk.FusedAdamW, backend=backend, **fmt)
+    want = run(torch.optim.AdamW) if not fmt else run(zk.FusedAdamW, backend="reference", **fmt)
+    tol = dict(rtol=0, atol=0) if fmt else dict(rtol=1e-6, atol=1e-7)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -87,6 +87,31 @@ def test_pruned_parameter_continues_from_the_pruned_values(fmt, backend):
             torch.testing.assert_close(p.float(), q, rtol=2 ** -8, atol=1e-6)
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS), ids=list(FORMATS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replaced_data_is_adopted_without_a_call(fmt, backend):
+    """``p.data = x`` (``torch.nn.utils.vector_to_parameters`` writes so) moves the parameter's data pointer, which
+    the watch records beside the version counter: the next step adopts it with no refresh_fp32_params(), and the
+    run equals the one written through torch, bit for bit (was: an fp32 master silently undid the write)."""
+    runs = []
+    for how in ("torch", "vector_to_parameters"):
+        m = net().to(BF)
+        o = zk.FusedAdamW(m.parameters(), backend=backend, **HP, **FORMATS[fmt])
+        train(m, o, 3, 1)
+        vec = torch.nn.utils.parameters_to_vector(m.parameters())
+        vec[::3] = 0
+        if how == "torch":
+            with torch.no_grad():
+                for p, q in zip(m.parameters(), torch.split(vec, [p.numel() for p in m.parameters()])):
+                    p.copy_(q.view_as(p))
+        else:
+            torch.nn.utils.vector_to_parameters(vec, m.parameters())
+        train(m, o, 3, 2)
+        runs.append([p.detach().clone() for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert float(runs[1][0].float().abs().min()) <= 3 * HP["lr"] * 1.01     # the zeros were adopted
+
+
 @pytest.mark.parametrize("fmt", ["fp32 master", "remainders"])
 def test_data_writes_need_refresh_fp32_params(fmt):
     """``p.data`` writes bypass the version counter: refresh_fp32_params() adopts them (the same result as the

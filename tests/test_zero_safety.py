@@ -380,6 +380,18 @@ class _Odd(nn.Module):
                         else self.emb(i))
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_lazy_module_before_its_dry_run_is_named(stage):
+    """A LazyLinear not yet run: named with the fix (was torch's "Can't access the shape of an uninitialized
+    parameter", from the ranks' agreement); after one forward ZeroAdamW takes it."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.LazyLinear(2))
+    with pytest.raises(ValueError, match=r"parameter '1.weight' is an uninitialized parameter of a lazy module.*dry "
+                                         r"run"):
+        zk.ZeroAdamW(model, stage=stage, backend="reference")
+    model(torch.randn(2, 4))
+    zk.ZeroAdamW(model, stage=stage, backend="reference").remove_hooks()
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_what_zero_cannot_take_is_named(stage):
     """Parameters and gradients ZeRO cannot step are refused naming the parameter, before anything changes:
@@ -881,3 +893,46 @@ def test_dynamic_scale_follows_torch_amp_update_scale(interval):
         torch._amp_update_scale_(scale, tracker, torch.tensor([float(found)]), 2.0, 0.5, interval)
         assert ours.scale == float(scale) and ours.growth_tracker == int(tracker)
     assert ours.scale <= torch.finfo(torch.float32).max
+
+
+def _buffers_worker(rank, world):
+    """BatchNorm running statistics under ZeroAdamW at every stage, rank-dependent batches, 3 steps: with the default
+    broadcast_buffers=True every rank holds rank 0's statistics after each step, equal (allclose: the parameters
+    agree to rounding) to DDP's rank 0 beside it (DDP broadcasts rank 0's buffers before each forward); with
+    broadcast_buffers=False each rank's follow its own batches (the negative control: they differ)."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 1))
+    for stage in (1, 2, 3):
+        ddp_m = model()
+        ddp = nn.parallel.DistributedDataParallel(ddp_m)
+        od = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        for sync in (True, False):
+            m = model()
+            z = zk.ZeroAdamW(m, stage=stage, lr=1e-2, broadcast_buffers=sync, timeout=60)
+            for s in range(3):
+                x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * s + rank)) + rank
+                m(x).sum().backward()
+                z.step()
+                z.zero_grad()
+                if sync:
+                    od.zero_grad()
+                    ddp(x).sum().backward()
+                    od.step()
+            mine = torch.cat([m[1].running_mean, m[1].running_var, m[1].num_batches_tracked.float().view(1)])
+            first = mine.clone()
+            dist.broadcast(first, src=0)
+            if sync:
+                assert torch.equal(mine, first), (stage, rank)
+                ref = torch.cat([ddp_m[1].running_mean, ddp_m[1].running_var])
+                dist.broadcast(ref, src=0)
+                torch.testing.assert_close(mine[:-1], ref, rtol=1e-5, atol=1e-6)
+                assert int(mine[-1]) == 3
+            elif rank == 1:
+                assert not torch.equal(mine[:6], first[:6]), stage
+            z.remove_hooks()
+
+
+def test_buffers_follow_rank_0_like_ddp_world2():
+    from _dist import run_world
+    run_world(_buffers_worker, 2, timeout=240)

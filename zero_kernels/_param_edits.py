@@ -18,9 +18,10 @@ from ._launch_plan import local
 # continues from. Here such a write would be lost (an fp32 master overwrites it at the next step); with
 # remainders the master joined from the written bf16 bits and the old remainder rounds back to the written
 # value (the join saturates at +-0: [Note: state codecs] 4) but carries a stale fraction of a bf16 ulp.
-# So every step records the version counter (``p._version``, bumped by every in-place write through torch) of
-# each parameter whose state holds a master, and the next step, before any update, ADOPTS the parameter of
-# every changed one, element by element: a master that still rounds (to nearest even) to the parameter is
+# So every step records the version counter (``p._version``, bumped by every in-place write through torch) and
+# the data pointer (moved by ``p.data = x``: ``torch.nn.utils.vector_to_parameters`` writes so) of each
+# parameter whose state holds a master, and the next step, before any update, ADOPTS the parameter of every
+# changed one, element by element: a master that still rounds (to nearest even) to the parameter is
 # kept, extra bits and all (so unchanged elements, and a consistent checkpoint loaded in either order, lose
 # nothing); any other becomes the parameter's value (fp32 master), or loses its remainder. A remainder keeps
 # no copy of the old bf16 value, so it cannot tell a written element from an unchanged one, and (the join
@@ -29,8 +30,8 @@ from ._launch_plan import local
 # would be the written value itself. The runs agree on the written value, not bit for bit after it (the
 # price of 2 bytes instead of 4; zeroing every remainder of a changed tensor instead would cost a
 # consistent checkpoint loaded optimizer-first its exact resume). The same adoption, of
-# every master, is ``refresh_fp32_params()`` (DeepSpeed's name): for writes through ``p.data``, which bypass
-# the version counter, and nothing else does. ``load_state_dict`` counts every parameter as written
+# every master, is ``refresh_fp32_params()`` (DeepSpeed's name): for in-place writes through ``p.data``
+# (``p.data.mul_(mask)``), which neither the version counter nor the pointer sees, and nothing else does. ``load_state_dict`` counts every parameter as written
 # (``all_written``): its masters are adopted by the next step, so a write made after the load (pruning a resumed
 # model) stands, and parameters that do not match the loaded states (another model's, or none loaded) are what
 # the run continues from, as torch.optim.AdamW's load leaves them; a consistent checkpoint loaded in either
@@ -43,37 +44,42 @@ MASTER_KEYS = ("master_param", "master_remainder")
 
 
 class Watch(NamedTuple):
-    """The parameters whose states hold a master, and their version counters after the last step."""
+    """The parameters whose states hold a master, and their marks (version counter, data pointer) after the
+    last step."""
     params: list[Tensor]
-    versions: list[int]
+    marks: list[tuple[int, int]]
 
 
 NOTHING = Watch([], [])
 
 
+def _marks(params: list[Tensor]) -> list[tuple[int, int]]:
+    return [(p._version, p.data_ptr()) for p in params]
+
+
 def watch(state: dict[Tensor, dict]) -> Watch:
-    """The parameters of ``state`` (an optimizer's ``state``) that have a master, with their versions now."""
+    """The parameters of ``state`` (an optimizer's ``state``) that have a master, with their marks now."""
     params = [p for p, st in state.items() if any(k in st for k in MASTER_KEYS)]
-    return Watch(params, [p._version for p in params])
+    return Watch(params, _marks(params))
 
 
 def all_written(state: dict[Tensor, dict]) -> Watch:
     """``watch(state)`` with every parameter counted as written since (no version counter is negative)."""
     params = watch(state).params
-    return Watch(params, [-1] * len(params))
+    return Watch(params, [(-1, 0)] * len(params))
 
 
 def renew(w: Watch) -> Watch:
-    """``w``'s parameters with their versions now (each step; ``watch`` again only when states were made)."""
-    return Watch(w.params, [p._version for p in w.params])
+    """``w``'s parameters with their marks now (each step; ``watch`` again only when states were made)."""
+    return Watch(w.params, _marks(w.params))
 
 
 def edited(w: Watch) -> list[Tensor]:
     """The watched parameters written since ``w`` was taken (one list comparison when none was)."""
-    now = [p._version for p in w.params]
-    if now == w.versions:
+    now = _marks(w.params)
+    if now == w.marks:
         return []
-    return [p for p, a, b in zip(w.params, w.versions, now) if a != b]
+    return [p for p, a, b in zip(w.params, w.marks, now) if a != b]
 
 
 @torch.no_grad()

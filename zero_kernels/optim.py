@@ -8,6 +8,7 @@ one function with one contract (``zero_kernels.reference``), run by the backend 
 from __future__ import annotations
 
 import operator
+from collections import defaultdict
 from typing import Any, Callable, Iterable
 
 import torch
@@ -168,6 +169,7 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         state = super().__getstate__()
         state.update(_backend_request=self._backend_request, _master_weights=self._master_weights,
                      _format=self._format)
+        state["state"] = defaultdict(dict, {p: _own_step(st) for p, st in state["state"].items()})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -310,8 +312,8 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         """Bring every master the optimizer keeps (fp32 ``master_param`` or bf16 ``master_remainder``) to its
         16-bit parameter, element by element ([Note: parameters edited outside the optimizer] in
         ``_param_edits.py``). Writes through torch (``model.load_state_dict``, ``torch.nn.init``, ``with
-        torch.no_grad(): p.mul_(mask)``) are adopted by the next step without this call; writes through
-        ``p.data`` bypass the version counter: call this after them (DeepSpeed's name for the same). Without it
+        torch.no_grad(): p.mul_(mask)``, ``p.data = x``) are adopted by the next step without this call; in-place
+        writes through ``p.data`` bypass the version counter: call this after them (DeepSpeed's name). Without it
         an fp32 master undoes such a write at the next step; a remainder keeps it, joined to a stale fraction
         of a bf16 ulp."""
         for gi, group in enumerate(self.param_groups):   # every master checked before any is changed
@@ -533,8 +535,18 @@ def _saved_form(opt: FusedAdam, sd: dict[str, Any]) -> dict[str, Any]:
     """FusedAdam.state_dict's post-hook: coded states under their saved names, and the 8-bit code's name."""
     if codecs.holds_u8_moments(sd["state"].values()):
         sd["u8_code"] = codecs.U8_CODE
-    sd["state"] = {i: optim_coded.saved_form(st) for i, st in sd["state"].items()}
+    sd["state"] = {i: _own_step(optim_coded.saved_form(st)) for i, st in sd["state"].items()}
     return sd
+
+
+def _own_step(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with its ``"step"`` in a storage of its own (a new dict; ``state`` itself when it has no tensor
+    step). A live step is a view of its launch plan's packed buffer ([Note: launch plans]): pickle writes a view's
+    whole storage, so N parameters' state dict would pickle N copies of an N-element buffer."""
+    step = state.get("step")
+    if not isinstance(step, Tensor):
+        return state
+    return {**state, "step": step.clone()}
 
 
 class FusedAdamW(FusedAdam):

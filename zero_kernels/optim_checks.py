@@ -116,11 +116,18 @@ OVERLAP_FIX = ("has internally overlapping memory (an expanded or stride-0 view,
                "elements; make it a tensor of its own (.clone())")
 
 
+LAZY_FIX = ("is an uninitialized parameter of a lazy module (nn.LazyLinear, ...): it has no shape or dtype yet; run "
+            "one forward pass (a dry run) before building the optimizer")
+
+
 def param_dtype_problem(t: Tensor, optimizer: str) -> str | None:
-    """Why parameter ``t`` cannot be stepped by the fp32 kernels (its dtype), with the fix; None if it can."""
+    """Why parameter ``t`` cannot be stepped by the fp32 kernels (its dtype, or none yet), with the fix; None if
+    it can."""
+    if isinstance(t, torch.nn.parameter.UninitializedParameter):
+        return LAZY_FIX
     if t.is_complex():
-        return (f"is complex ({t.dtype}); {optimizer} supports real floating-point parameters only (view as real "
-                "with torch.view_as_real)")
+        return (f"is complex ({t.dtype}); {optimizer} supports real floating-point parameters only: keep a real "
+                "Parameter of shape (..., 2) and use torch.view_as_complex(p) in the forward")
     if not t.is_floating_point():
         return f"has dtype {t.dtype}; optimizers need floating-point parameters (integer tensors have no gradient)"
     if t.dtype == torch.float64:
@@ -145,9 +152,10 @@ def check_scalars(gi: int, group: dict[str, Any]) -> None:
                                "without overflow (the kernels compute in fp32; torch.optim.AdamW "
                                "raises the same); use a finite fp32 value")
     lr, betas = group["lr"], group["betas"]
-    if isinstance(betas, (tuple, list)) and any(isinstance(b, Tensor) for b in betas) \
-            and all(isinstance(b, Tensor) and b.numel() == 1 for b in betas):
-        betas = (0.0, 0.0)
+    if isinstance(betas, (tuple, list)):
+        # a one-element Tensor beta is not read back; a (float, Tensor) pair is fine here: OneCycleLR / CyclicLR
+        # (cycle_momentum) write a float beta1 beside a Tensor beta2, and torch.optim.AdamW steps on
+        betas = tuple(0.0 if isinstance(b, Tensor) and b.numel() == 1 else b for b in betas)
     hp = (0.0 if isinstance(lr, Tensor) and lr.numel() == 1 else lr,
           tuple(betas) if isinstance(betas, list) else betas, group["eps"], group["weight_decay"])
     if not (all(type(x) in (int, float) for x in (hp[0], hp[2], hp[3])) and isinstance(hp[1], tuple)

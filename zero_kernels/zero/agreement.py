@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 
 import torch.distributed as dist
+from torch.nn.parameter import UninitializedParameter
 
 from . import collectives as C
 from .timeouts import CollectiveTimeoutError, timeout_scope
@@ -23,10 +24,15 @@ __all__ = ["signature", "check_same_everywhere", "raise_if_failed", "join_barrie
 
 
 def signature(uniq, groups_spec, first_name, config_key: tuple, hparams: list, error: str | None) -> dict:
-    return {"params": [(n, tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for n, p in uniq],
+    return {"params": [(n, _shape(p), str(p.dtype), bool(p.requires_grad)) for n, p in uniq],
             "groups": [sorted(first_name[id(p)] for p in g["params"]) for g in groups_spec]
             if error is None else None,
             "config": config_key, "hparams": hparams if error is None else None, "error": error}
+
+
+def _shape(p) -> tuple | None:
+    """The shape (None for a lazy module's uninitialized parameter: params.model_error names it)."""
+    return None if isinstance(p, UninitializedParameter) else tuple(p.shape)
 
 
 def check_same_everywhere(sig: dict, group, world: int, rank: int) -> dict:

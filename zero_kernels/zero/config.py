@@ -61,6 +61,9 @@ class ZeroConfig:
     exp_avg_dtype: torch.dtype = torch.float32      # coded states ([Note: coded ZeRO states], coded.py)
     exp_avg_sq_dtype: torch.dtype = torch.float32
     store_param_remainders: bool = False
+    # DDP's broadcast_buffers: every rank takes rank 0's buffers (BatchNorm running statistics) at the end of
+    # each step(), as DDP does before each forward; else each rank's buffers follow its own batches.
+    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3) or isinstance(self.stage, bool):
@@ -74,6 +77,7 @@ class ZeroConfig:
         _check_bool("reshard_after_forward", self.reshard_after_forward)
         _check_bool("quantize_weights", self.quantize_weights)
         _check_bool("quantize_grads", self.quantize_grads)
+        _check_bool("broadcast_buffers", self.broadcast_buffers)
         if self.overlap_param_gather and self.stage == 3:
             raise ValueError("overlap_param_gather is for stages 1 and 2: stage 3 gathers parameters in "
                              "forward already (see prefetch=)")

@@ -15,7 +15,7 @@ from ..hparams import validate_hparams
 from .buckets import check_amsgrad, check_bound
 from .build import bind, plan
 from .config import ZeroConfig
-from .mesh import resolve_mesh
+from .mesh import broadcast_from_first, resolve_mesh
 from .ownership import claim, release
 from .params import check_frozen
 from .scaling import StepScaling
@@ -227,6 +227,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             if not skip:                                # every rank skips alike: nothing changes
                 self._apply(active, inv_loss_scale)
         self.strategy.finish_step()
+        if self.config.broadcast_buffers:               # as DDP's broadcast_buffers=True (config.py)
+            broadcast_from_first(list(self.module.buffers()), self.mesh)
         for b in self.buckets:
             b.record_versions()
         self.wire.mark()

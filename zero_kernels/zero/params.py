@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ..hparams import validate_hparams
-from ..optim_checks import OVERLAP_FIX, internal_overlap, overlapping_pair
+from ..optim_checks import LAZY_FIX, OVERLAP_FIX, internal_overlap, overlapping_pair
 from .config import FLOAT_DTYPES
 
 __all__ = ["ModelParams", "read_model", "model_error", "resolve_groups", "check_frozen", "HPARAM_KEYS",
@@ -44,6 +44,8 @@ def read_model(model: nn.Module) -> ModelParams:
 def model_error(trainable, param_dtype) -> str | None:
     devices = set()
     for n, p in trainable:
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            return f"parameter {n!r} {LAZY_FIX}"
         if p.dtype not in FLOAT_DTYPES:
             return (f"parameter {n!r} has dtype {p.dtype}: ZeRO shards float32/bfloat16/float16 "
                     "parameters only; set requires_grad=False on it to leave it out")
