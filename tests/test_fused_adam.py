@@ -625,6 +625,10 @@ def test_parameters_sharing_memory(backend):
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] and param_groups\[1\]\['params'\]\[0\]"):
         opt.add_param_group({"params": [torch.nn.Parameter(a.data[1:, 2])]})
     assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))]})      # another storage: taken
+    clone = copy.deepcopy(opt)                  # its storages are new: the index of them is made again
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] and param_groups\[2\]"):
+        clone.add_param_group({"params": [torch.nn.Parameter(clone.param_groups[0]["params"][0].data[1:, 2])]})
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] has internally overlapping memory"):
         zk.FusedAdamW([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(1).expand(4))],
                       backend=backend)                         # stride 0: was torch's error after a half step

@@ -20,7 +20,8 @@ from ._launch_plan import (GroupPlan, Launch, is_low_precision, local, packed_st
 from ._traced_step import TracedStep
 from .codecs import BLOCK
 from .optim_checks import (OVERLAP_FIX, check_amp_args, check_distinct, check_grads, check_group_keys,
-                           check_no_shared_memory, check_scalars, internal_overlap, param_dtype_problem)
+                           check_no_shared_memory, check_scalars, internal_overlap, param_dtype_problem,
+                           storage_key)
 from .hparams import (check_coded_amsgrad, check_param_format, scalar_lr, validate_hparams as _validate_hparams,
                       validate_state_format)
 from .reference import compute_coeffs
@@ -144,7 +145,15 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
                 raise ValueError(f"param_groups[{len(self.param_groups)}]['params'][{i}] {why}")
         tensors = [p[1] if isinstance(p, tuple) else p for p in params]
         check_distinct(len(self.param_groups), tensors)
-        earlier = [(gi, pi, q) for gi, g in enumerate(self.param_groups) for pi, q in enumerate(g["params"])]
+        # the earlier parameters over a storage of a new one (usually none: one index lookup per new tensor,
+        # linear in all for one group per parameter; the index only preselects, so a stale entry costs a scan;
+        # made again after a copy or unpickling, whose storages are new)
+        if "_storages" not in self.__dict__:
+            self._storages = {storage_key(q) for g in self.param_groups for q in g["params"]} - {None}
+        seen = self._storages
+        keys = {storage_key(t) for t in tensors} - {None}
+        earlier = [(gi, pi, q) for gi, g in enumerate(self.param_groups) for pi, q in enumerate(g["params"])
+                   if storage_key(q) in keys] if keys & seen else []
         check_no_shared_memory(len(self.param_groups), tensors, earlier)
         devices = {t.device for t in tensors if isinstance(t, Tensor)}
         if len(devices) > 1:
@@ -160,6 +169,7 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
             if dev not in self._resolved:
                 self._resolve(dev)
         super().add_param_group(param_group)
+        seen |= keys
         self._epoch = getattr(self, "_epoch", 0) + 1
 
     # ------------------------------------------------------------------ copy, pickle, load

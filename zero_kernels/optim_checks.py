@@ -69,20 +69,29 @@ def internal_overlap(t: Tensor) -> bool:
     return False
 
 
+def storage_key(t: Any) -> tuple | None:
+    """(device, storage address) of a tensor that has memory to share, else None (meta, sparse, empty, a subclass
+    without storage)."""
+    if not isinstance(t, Tensor) or t.numel() == 0 or t.device.type == "meta" or t.is_sparse:
+        return None
+    try:
+        return t.device, t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
 def overlapping_pair(tensors: list[Tensor]) -> tuple[int, int] | None:
     """Indices (i, j), i < j, of two distinct tensors that share memory (one a view of the other, e.g.
     ``Parameter(a.data.t())``), else None. One pass over data pointers; exact only where two tensors of
     one storage have overlapping byte ranges."""
     spans: dict[tuple, list[tuple[int, int, int]]] = {}
     for i, t in enumerate(tensors):
-        if not isinstance(t, Tensor) or t.numel() == 0 or t.device.type == "meta" or t.is_sparse:
+        key = storage_key(t)
+        if key is None:
             continue
-        try:
-            base, lo = t.untyped_storage().data_ptr(), t.data_ptr()
-        except (RuntimeError, NotImplementedError, TypeError):   # a tensor subclass without storage
-            continue
+        lo = t.data_ptr()
         hi = lo + t.element_size() * (1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())))
-        spans.setdefault((t.device, base), []).append((lo, hi, i))
+        spans.setdefault(key, []).append((lo, hi, i))
     for group in spans.values():
         group.sort()
         for k, (lo, hi, i) in enumerate(group):
