@@ -17,13 +17,16 @@
 #include "cpu_q8_simd.h"  // zk_q8_absmax / zk_q8_absbits / zk_q8_scale: the block absmax on the bits
 
 // ---------------------------------------------------------------- 8-bit moment codes (codecs.py Note 2)
-// m: per block inv = 127 / scale, 0 unless finite; int8 code = rint(m * inv), decoded with scale / 127.
-// rint by the magic number 1.5 * 2^23 (|y| <= 2^22): one fp32 add rounds half to even and leaves the
-// integer's two's complement in the low mantissa bits, whose low 8 are the int8 code (st_u8 keeps them).
+// m: per block inv = 127 * 2^15 / scale, 0 unless finite; q = rint(m * inv), int8 code = clamp((q + r) >> 15,
+// -127, 127) with r = ((i ^ key) * 0x9E3779B1 mod 2^32) >> 17 (15 random bits of the flat index i: stochastic
+// rounding), decoded with scale / 127. rint by the magic number 1.5 * 2^23 (|y| <= 2^22): one fp32 add rounds
+// half to even and leaves the integer plus the magic's bits in the bits (st_u8 keeps the code's low 8).
 // v: a log code of s = sqrt(v) on the int32 bits: code = max(((bits(s) - bits(scale)) + 255 * 2^19 +
 // 2^18) >> 19, 1), 0 where s == 0 or the scale is not finite; decoded s' = bits((code << 19) +
 // bits(scale) - 255 * 2^19) (0 for code 0), v' = s' * s'.
 constexpr float ZK_M8_LEVELS = 127.0f;
+constexpr float ZK_M8_INV_LEVELS = 4161536.0f;  // 127 * 2^15: the m code's inverse, scaled for its dither
+constexpr uint32_t ZK_RNE_MAGIC_BITS = 0x4B400000u, ZK_M8_DITHER_MUL = 0x9E3779B1u;
 constexpr uint32_t ZK_V8_TOP = 255u << 19, ZK_V8_HALF = 1u << 18;
 
 ZK_TGT static inline float zk_c_inverse(float scale, float levels) {
@@ -39,29 +42,38 @@ ZK_TGT static inline uint32_t zk_f32_bits(float x) {
 
 ZK_TGT static inline bool zk_v8_finite(float scale) { return (zk_f32_bits(scale) & 0x7FFFFFFFu) < 0x7F800000u; }
 
-// One vector of codes. m: int8 codes (low 8 bits of each lane) of x given inv = 127 / scale != 0
-// (magic: 1.5 * 2^23). v: log codes of s = sqrt(v) >= 0 given k = 255 * 2^19 + 2^18 - bits(scale) for a
+// One vector of codes. m: int8 codes (low 8 bits of each lane) of x given inv = 127 * 2^15 / scale != 0
+// (magic: 1.5 * 2^23), idx the elements' flat indices (mod 2^32), key the tensor's and step's. v: log codes of s = sqrt(v) >= 0 given k = 255 * 2^19 + 2^18 - bits(scale) for a
 // finite scale: (bits(s) - bits(scale)) + 255 * 2^19 + 2^18 fits an int32, so one wrapping add of the
 // constant folded with -bits(scale) gives it.
 // *_bits: the code in the low 8 bits of each lane (*_code1 stores them).
-ZK_TGT static inline Q::I zk_m8_code_bits(const float* x, Q::F inv, Q::F magic) {
-  return Q::bi(Q::add(Q::mul(Q::ldf(x), inv), magic));
+ZK_TGT static inline Q::I zk_m8_code_bits(const float* x, Q::F inv, Q::F magic, Q::I idx, Q::I key) {
+  const Q::I q = Q::subi(Q::bi(Q::add(Q::mul(Q::ldf(x), inv), magic)), Q::set1i(ZK_RNE_MAGIC_BITS));
+  const Q::I r = Q::shr<17>(Q::muli(Q::xori(idx, key), Q::set1i(ZK_M8_DITHER_MUL)));
+  // codecs.encode_m8's clamp to [-127, 127] never binds: inv = RN(127 * 2^15 / scale) exceeds the exact quotient
+  // by at most 2^-24 relative, so |m * inv| <= 127 * 2^15 + 0.25 for every |m| <= scale, which rounds to
+  // |q| <= 127 * 2^15 (the fp32 spacing there is 1/4, a tie goes to the even 127 * 2^15), and with 0 <= r < 2^15
+  // (q + r) >> 15 lies in [-127, 127]
+  return Q::srai<15>(Q::addi(q, r));
 }
 ZK_TGT static inline Q::I zk_v8_code_bits(const float* s, Q::I k) {
   const Q::I b = Q::bi(Q::ldf(s));
   return Q::v8_raise(b, Q::srai<19>(Q::addi(b, k)));
 }
-ZK_TGT static inline void zk_m8_code1(const float* x, Q::F inv, Q::F magic, uint8_t* dst) {
-  Q::st_u8(dst, zk_m8_code_bits(x, inv, magic));
+ZK_TGT static inline void zk_m8_code1(const float* x, Q::F inv, Q::F magic, Q::I idx, Q::I key, uint8_t* dst) {
+  Q::st_u8(dst, zk_m8_code_bits(x, inv, magic, idx, key));
 }
 ZK_TGT static inline void zk_v8_code1(const float* s, Q::I k, uint8_t* dst) { Q::st_u8(dst, zk_v8_code_bits(s, k)); }
 ZK_TGT static inline Q::I zk_v8_key(float scale) { return Q::set1i(ZK_V8_TOP + ZK_V8_HALF - zk_f32_bits(scale)); }
 
-// int8 codes of m (x: the block's updated m), given inv.
-ZK_TGT static inline void zk_m8_codes(const float* x, float inv, uint8_t* dst) {
+// int8 codes of m (x: the block's updated m), given inv; idx0: the flat index of x[0], key: the SR key.
+ZK_TGT static inline void zk_m8_codes(const float* x, float inv, uint8_t* dst, uint32_t idx0, uint32_t key) {
   if (inv == 0.0f) { std::memset(dst, 0, ZK_QBLOCK); return; }
   const Q::F s = Q::set1f(inv), magic = Q::set1f(12582912.0f);
-  for (int i = 0; i < ZK_QBLOCK; i += Q::W) zk_m8_code1(x + i, s, magic, dst + i);
+  const Q::I k = Q::set1i(key);
+  Q::I idx = Q::addi(Q::set1i(idx0), Q::iota());
+  for (int i = 0; i < ZK_QBLOCK; i += Q::W, idx = Q::addi(idx, Q::set1i(Q::W)))
+    zk_m8_code1(x + i, s, magic, idx, k, dst + i);
 }
 
 // uint8 log codes of v (s: the block's sqrt(v) >= 0, scale: their max).
@@ -160,7 +172,7 @@ ZK_TGT static inline void zk_c_encode(int kind, bool V_, float* x, void* dst, fl
       const float scale = zk_q8_absmax(x);
       *scale_out = scale;
       if (V_) zk_v8_codes(x, scale, static_cast<uint8_t*>(dst));
-      else zk_m8_codes(x, zk_c_inverse(scale, ZK_M8_LEVELS), static_cast<uint8_t*>(dst));
+      else zk_m8_codes(x, zk_c_inverse(scale, ZK_M8_INV_LEVELS), static_cast<uint8_t*>(dst), idx0, key);
       return;
     }
     default: {  // float8_e4m3fn of clamp(x / (absmax / 448), +-448): RNE on the bits (kernels/_codecs.py)
@@ -396,7 +408,7 @@ struct ZkCMasterSide {
 // With 16-bit lanes (Q::kPair), two vectors share one remainder join and split, or one bf16 rounding.
 // The caller sends a block whose v scale is not finite (its v decodes to NaN) to zk_c_block_general.
 template <int GT, bool L2, bool REM, bool PLAIN>
-ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCArrays& a, int n) {
+ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCArrays& a, int n, uint32_t idx0) {
   alignas(64) float bm[ZK_QBLOCK];
   alignas(64) float bs[ZK_QBLOCK];
   constexpr int STEP = ZK_C_STEP;
@@ -445,10 +457,12 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
   }
   *a.m_scale = ms;
   *a.v_scale = vs;
-  const float minv = zk_c_inverse(ms, ZK_M8_LEVELS);
+  const float minv = zk_c_inverse(ms, ZK_M8_INV_LEVELS);
   const bool codes_here = minv != 0.0f && zk_v8_finite(vs);
   const Q::F m_inv = Q::set1f(minv), magic = Q::set1f(12582912.0f);
   const Q::I v_key = zk_v8_key(vs);
+  const Q::I m_key = Q::set1i(j.m_key);
+  Q::I idx = Q::addi(Q::set1i(idx0), Q::iota());   // the flat indices of the vector at i (m's dither)
   for (int i0 = 0; i0 < ZK_QBLOCK; i0 += STEP) {
     Q::I mcode[2], vcode[2];
     ms_.begin(i0);
@@ -457,14 +471,15 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
       const V::F pv = zk_c_param1(k, ms_.get(u, i), V::load(bm + i), V::load(bs + i));
       if (codes_here) {
         if constexpr (Q::kPair) {  // stored by pairs below
-          mcode[u] = zk_m8_code_bits(bm + i, m_inv, magic);
+          mcode[u] = zk_m8_code_bits(bm + i, m_inv, magic, idx, m_key);
           vcode[u] = zk_v8_code_bits(bs + i, v_key);
         } else {
-          zk_m8_code1(bm + i, m_inv, magic, mc + i);
+          zk_m8_code1(bm + i, m_inv, magic, idx, m_key, mc + i);
           zk_v8_code1(bs + i, v_key, vc + i);
         }
       }
       ms_.put(u, i, pv);
+      idx = Q::addi(idx, Q::set1i(Q::W));
     }
     if constexpr (Q::kPair) {
       if (codes_here) {
@@ -475,7 +490,7 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
     ms_.end(i0);
   }
   if (!codes_here) {
-    zk_m8_codes(bm, minv, mc);
+    zk_m8_codes(bm, minv, mc, idx0, j.m_key);
     zk_v8_codes(bs, vs, vc);
   }
 }
@@ -527,7 +542,7 @@ template <int GT, bool L2>
 ZK_TGT static inline void zk_c_block(const ZkCJob& j, const ZkCHyper& h, const ZkCArrays& a, int n,
                                      uint32_t idx0) {
   if (j.m_kind == ZK_MK_U8 && j.v_kind == ZK_MK_U8 && zk_v8_finite(*a.v_scale))
-    zk_c_variant(j, h, [&](auto rem, auto plain) { zk_c_block_q8<GT, L2, rem(), plain()>(j, h, a, n); });
+    zk_c_variant(j, h, [&](auto rem, auto plain) { zk_c_block_q8<GT, L2, rem(), plain()>(j, h, a, n, idx0); });
   else if (j.m_kind == ZK_MK_BF16 && j.v_kind == ZK_MK_BF16)
     zk_c_variant(j, h, [&](auto rem, auto plain) { zk_c_block_b16<GT, L2, rem(), plain()>(j, h, a, idx0); });
   else

@@ -29,10 +29,10 @@
 // every lane derives its scalars from the one reduced scale (redundantly: no shuffle, no shared memory),
 // then per element a few operations:
 //   exp_avg:    decode m = float(int8 code) * (scale / 127);
-//               encode code = cvt.rni.s32 (round half even) of m * (127 / scale)    (|code| <= 127);
-//               the inverse 127 / scale is replaced by 0 unless finite (a block of zeros, a scale so tiny
-//               that the inverse overflows): with a finite inverse every |m| <= scale gives |m * inv| <=
-//               127 + a few ulps, so the rounding stays within the code range.
+//               encode q = cvt.rni.s32 (round half even) of m * (127 * 2^15 / scale), then stochastic
+//               rounding: code = clamp((q + r) >> 15, -127, 127), r = ((i ^ key) * 0x9E3779B1) >> 17
+//               (15 random bits of the flat index i); the inverse is replaced by 0 unless finite (a block of
+//               zeros, a scale so tiny that the inverse overflows): code 0 there.
 //   exp_avg_sq: a log code of s = sqrt(v) on its bits, s the square root adam_update took for the
 //               denominator (so a uint8 exp_avg_sq keeps s, not v, in its registers after the update):
 //               encode code = max(int32(bits(s) - bits(scale) + 255 * 2^19 + 2^18) >> 19, 1), 0 where
@@ -66,6 +66,7 @@ constexpr int kCodedMinBlocksPerSM = 3;
 constexpr int kCodedMaxTensors = 40;                      // tensors per launch (parameter space < 4 KB)
 constexpr float kF8Max = 448.0f;                          // codecs.F8_MAX: largest finite e4m3fn
 constexpr float kM8Levels = 127.0f;                       // codecs.M8_LEVELS: exp_avg codes -127..127
+constexpr float kM8InvLevels = 4161536.0f;                // 127 * 2^15: the scaled inverse of the dithered m code
 constexpr uint32_t kV8Top = 255u << 19;                    // codecs.V8_LEVELS (255) in the bits of sqrt(v)
 constexpr uint32_t kV8Half = 1u << 18;                     // half a code step (codecs.V8_STEP_BITS = 19)
 constexpr float kFltMax = 3.4028234663852886e38f;         // the largest finite fp32 (codecs._FLT_MAX)
@@ -206,10 +207,13 @@ __device__ __forceinline__ uint32_t encode_f8(float y) {
 }
 
 // The 8-bit moment codes (codecs.encode_m8 / encode_v8).
-// encode_m8, given inv = 127 / scale, finite or 0: round half to even (cvt.rni) of m * inv, as int8 bits; 0 where inv == 0 (x may be inf or
+// encode_m8, given inv = 127 * 2^15 / scale, finite or 0: round half to even (cvt.rni) of m * inv, plus the
+// element's 15 dither bits, shifted down by 15 and clamped, as int8 bits; 0 where inv == 0 (x may be inf or
 // NaN there, and x * 0 would not be 0).
-__device__ __forceinline__ uint32_t encode_m8(float x, float inv) {
-  const int32_t code = __float2int_rn(zk::cuda_adam::mul_rn(x, inv));
+__device__ __forceinline__ uint32_t encode_m8(float x, float inv, uint32_t index, uint32_t key) {
+  const int32_t q = __float2int_rn(zk::cuda_adam::mul_rn(x, inv));
+  const int32_t r = int32_t(((index ^ key) * 0x9E3779B1u) >> 17);
+  const int32_t code = min(max((q + r) >> 15, -127), 127);
   return inv == 0.0f ? 0u : uint32_t(code) & 0xFFu;
 }
 // encode_v8, given k = 255 * 2^19 + 2^18 - bits(scale) (wrapping) for a finite scale: the log code of
@@ -314,10 +318,10 @@ __device__ __forceinline__ void store_moment(const float (&x)[kLaneElems], void*
 #pragma unroll
         for (int j = 0; j < kLaneElems; ++j) raw[j] = finite ? encode_v8(x[j], k) : 0u;
       } else {
-        const float inv = zk::cuda_adam::div_rn(kM8Levels, scale);
+        const float inv = zk::cuda_adam::div_rn(kM8InvLevels, scale);
         const float inv_or_0 = inv <= kFltMax ? inv : 0.0f;   // false for inf and NaN
 #pragma unroll
-        for (int j = 0; j < kLaneElems; ++j) raw[j] = encode_m8(x[j], inv_or_0);
+        for (int j = 0; j < kLaneElems; ++j) raw[j] = encode_m8(x[j], inv_or_0, index0 + uint32_t(j), key);
       }
     }
     store8<uint8_t>(static_cast<uint8_t*>(ptr) + e0, vec, valid, raw);

@@ -22,6 +22,8 @@ M8_LEVELS = tl.constexpr(127.0)     # codecs.M8_LEVELS: exp_avg codes -127..127
 V8_STEP_BITS = tl.constexpr(19)         # codecs.V8_STEP_BITS: one exp_avg_sq code = 2^19 in the bits of sqrt(v)
 V8_TOP_BITS = tl.constexpr(255 << 19)   # the top code (codecs.V8_LEVELS = 255) in those bits
 V8_HALF_STEP = tl.constexpr(1 << 18)    # rounds to the nearest code
+M8_DITHER_BITS = tl.constexpr(15)        # codecs.M8_DITHER_BITS: the m code's stochastic rounding
+M8_INV_LEVELS = tl.constexpr(4161536.0)  # 127 * 2^M8_DITHER_BITS: the inverse of the m code, scaled
 RNE_MAGIC = tl.constexpr(12582912.0)    # 1.5 * 2^23: y + RNE_MAGIC lies in [2^23, 2^24) for |y| <= 2^22
 RNE_MAGIC_BITS = tl.constexpr(0x4B400000)   # its fp32 bits
 # Axis of the rows in a 3-D tile. Triton's coalescing lays a warp's lanes along the contiguous axis, then its
@@ -123,16 +125,21 @@ def _inverse(scale, LEVELS: tl.constexpr):
 
 
 @triton.jit
-def encode_m8(x, mask):
+def encode_m8(x, offs, index_offset, key, mask):
     """exp_avg tile -> (uint8 tile of int8 codes, fp32 scale per row): codecs.encode_m8. The scale is the
-    row's absmax over the unmasked lanes; code = round_half_even(x * (127 / scale)), 0 where that
-    inverse is not finite. Rounding: y + 1.5 * 2^23 lands in [2^23, 2^24), where the fp32 ulp is 1, so the
-    IEEE add rounds y to the nearest integer, ties to even (torch.round), and the integer is the bits
-    minus the magic's bits (|y| <= 127 + a rounding; masked lanes hold whatever the update made of 0)."""
+    row's absmax over the unmasked lanes; q = round_half_even(x * (127 * 2^15 / scale)) (0 where that
+    inverse is not finite), code = clamp((q + 15 random bits) >> 15, -127, 127): stochastic rounding
+    ([Note: state codecs] 2). Rounding: y + 1.5 * 2^23 lands in [2^23, 2^24), where the fp32 ulp is 1, so the
+    IEEE add rounds y to the nearest integer, ties to even (torch.round), and the integer is the bits minus
+    the magic's bits (|y| <= 127 * 2^15 + a rounding < 2^22; masked lanes hold whatever the update made of 0)."""
     scale = block_absmax(x, mask)
-    inv = per_row(_inverse(scale, M8_LEVELS), x)
+    inv = per_row(_inverse(scale, M8_INV_LEVELS), x)
     y = tl.where(inv == 0.0, 0.0, x * inv)       # no NaN / inf reaches the rounding
-    code = (y + RNE_MAGIC).to(tl.int32, bitcast=True) - RNE_MAGIC_BITS
+    q = (y + RNE_MAGIC).to(tl.int32, bitcast=True) - RNE_MAGIC_BITS
+    idx = ((index_offset + offs) & 0xFFFFFFFF).to(tl.uint32)
+    r = ((idx ^ key) * 0x9E3779B1).to(tl.uint32) >> (32 - M8_DITHER_BITS)   # codecs.m8_dither (mod 2^32)
+    code = (q + r.to(tl.int32)) >> M8_DITHER_BITS
+    code = tl.minimum(tl.maximum(code, -127), 127)
     return (code & 0xFF).to(tl.uint8), scale
 
 

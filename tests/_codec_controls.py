@@ -26,7 +26,7 @@ def wrong_v8_sqrt(x):
     return code.reshape(-1)[: x.numel()].view(x.shape), scale
 
 
-def wrong_m8_trunc(x):
+def wrong_m8_trunc(x, **_sr):
     """exp_avg coded like codecs.encode_m8 but m * inv truncated towards 0 instead of rounded."""
     xb, scale = C.block_absmax(x)
     inv = _inverse(scale, C.M8_LEVELS)
@@ -34,8 +34,18 @@ def wrong_m8_trunc(x):
     return code.reshape(-1)[: x.numel()].view(torch.uint8).view(x.shape), scale
 
 
+def wrong_m8_nearest(x, **_sr):
+    """exp_avg coded like codecs.encode_m8 but rounded to nearest (the codec before its stochastic rounding, under
+    which an element whose gradient stopped kept a code of 1-4 and moved forever)."""
+    xb, scale = C.block_absmax(x)
+    inv = _inverse(scale, C.M8_LEVELS)
+    code = torch.where(inv == 0, 0.0, torch.round(xb * inv)).to(torch.int8)
+    return code.reshape(-1)[: x.numel()].view(torch.uint8).view(x.shape), scale
+
+
 WRONG = {"v8 square root": (("exp_avg_sq", torch.uint8), wrong_v8_sqrt),
-         "m8 truncated": (("exp_avg", torch.uint8), wrong_m8_trunc)}
+         "m8 truncated": (("exp_avg", torch.uint8), wrong_m8_trunc),
+         "m8 nearest": (("exp_avg", torch.uint8), wrong_m8_nearest)}
 
 
 def written_values(n: int, seed: int, value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

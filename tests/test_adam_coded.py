@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from zero_kernels import codecs as C
-from zero_kernels.kernels._codecs import QBLOCK, decode_m8, decode_v8, encode_m8, encode_v8
+from zero_kernels.kernels._codecs import QBLOCK, decode_m8, decode_v8, encode_m8, encode_v8, sr_key
 from zero_kernels.kernels.adam_coded import adam_step_coded_triton
 from zero_kernels.reference import sqrt_rn
 
@@ -220,13 +220,15 @@ def _encode_kernel(
     v_codes_ptr,    # uint8 [numel]: log codes of sqrt(v) out
     v_scales_ptr,   # fp32 [ceil(numel / 256)]: block scales (max sqrt(v)) out
     numel,          # int64: elements
+    sr_ptr,         # int64 [3]: seed, step, flat index of element 0: m's stochastic rounding (codecs.M8_SR)
     ROWS: tl.constexpr,   # 256-element blocks per program, as the coded kernel's [4, 256] tile
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     offs = rows[:, None] * QBLOCK + tl.arange(0, QBLOCK).to(tl.int64)[None, :]
     mask = offs < numel
     row_mask = rows * QBLOCK < numel
-    code, scale = encode_m8(tl.load(m_ptr + offs, mask=mask, other=0.0), mask)
+    key = sr_key(tl.load(sr_ptr), tl.load(sr_ptr + 1), 0)
+    code, scale = encode_m8(tl.load(m_ptr + offs, mask=mask, other=0.0), offs, tl.load(sr_ptr + 2), key, mask)
     tl.store(m_codes_ptr + offs, code, mask=mask)
     tl.store(m_scales_ptr + rows, scale, mask=row_mask)
     code, scale = encode_v8(tl.sqrt_rn(tl.load(v_ptr + offs, mask=mask, other=0.0)), mask)
@@ -256,8 +258,13 @@ def triton_encode(m, v, rows=4):
     n = m.numel()
     nb = -(-n // C.BLOCK)
     out = (torch.empty(n, dtype=U8), torch.empty(nb), torch.empty(n, dtype=U8), torch.empty(nb))
-    _encode_kernel[(-(-nb // rows),)](m, v, *out, n, ROWS=rows)
+    _encode_kernel[(-(-nb // rows),)](m, v, *out, n, torch.tensor([M8_SR["seed"], M8_SR["step"], M8_SR["index_offset"]]),
+                                      ROWS=rows)
     return out
+
+
+M8_SR = dict(seed=7, step=5, stream=0, index_offset=2**32 - 300)   # the m code's keys in the codec checks: an
+                                                                    # index that wraps mod 2^32 inside the tensor
 
 
 def triton_decode(codes, scales, rows=4):
@@ -297,7 +304,7 @@ def edge_blocks():
     inf[200] = -float("inf")
     sub = torch.rand(B, generator=g) * 1e-39
     m += [nan, inf, sub]
-    for top in (3.7e-37, 3.8e-37):
+    for top in (1.22e-32, 1.23e-32):                  # 127 * 2^15 / top overflows fp32, then does not
         x = torch.randn(B, generator=g) * 1e-38
         x[:64] = torch.rand(64, generator=g) * 1e-39          # subnormals
         x[100] = -top
@@ -325,7 +332,7 @@ def edge_blocks():
 def test_codec_device_functions_equal_the_definition_on_edge_cases():
     m, v = edge_blocks()
     mc, ms, vc, vs = triton_encode(m, v)
-    mc_ref, ms_ref = C.encode_m8(m)
+    mc_ref, ms_ref = C.encode_m8(m, **M8_SR)
     vc_ref, vs_ref = C.encode_v8(v)
     assert torch.equal(mc, mc_ref), f"m codes differ at {(mc != mc_ref).nonzero().flatten()[:8].tolist()}"
     assert torch.equal(vc, vc_ref), f"v codes differ at {(vc != vc_ref).nonzero().flatten()[:8].tolist()}"
@@ -343,16 +350,22 @@ def test_codec_device_functions_equal_the_definition_on_edge_cases():
     dm, dv = C.decode_m8(mc, ms), C.decode_v8(vc, vs)
     assert dm[3 * B:5 * B].isnan().all() and dv[3 * B:5 * B].isnan().all()             # NaN / inf poison
     assert (mc[5 * B:7 * B] == 0).all() and bool((m[5 * B:6 * B] != 0).all())            # inverse overflow
-    assert (mc[7 * B:8 * B] != 0).any() and torch.isfinite(torch.tensor(C.M8_LEVELS) / ms[7])
+    m_inv_levels = torch.tensor(C.M8_LEVELS * 2 ** C.M8_DITHER_BITS)
+    assert not torch.isfinite(m_inv_levels / ms[6]) and torch.isfinite(m_inv_levels / ms[7])
+    assert (mc[7 * B:8 * B] != 0).any()
     assert bool((v[5 * B:6 * B] < 1.2e-38).all()) and (vc[5 * B:6 * B] != 0).any()      # subnormal v codes
     assert bool((_v8_unclamped(v[6 * B + 10:6 * B + 20], vs[6]) < 1).all()) and (vc[6 * B + 10:6 * B + 20] == 1).all()
     assert vc[-37:].max() == 255 and mc[-37:].view(torch.int8).abs().max() == 127      # partial block coded
     # Ties: blocks 0 and 1 of m are exact ties (round half away from zero would code them differently); v's
     # block 0 runs through every code; the random v blocks hold elements raised to 1 and elements a linear
     # code of sqrt(v) would code differently.
+    # m's stochastic rounding: every code is floor(y) or floor(y) + 1, each for about half of the halves
     for blk in (0, 1):
         y = m[blk * B:(blk + 1) * B] * (torch.tensor(C.M8_LEVELS) / ms[blk])
-        assert int((y - torch.floor(y) == 0.5).sum()) == B - 2
+        half = y - torch.floor(y) == 0.5
+        assert int(half.sum()) == B - 2
+        up = mc[blk * B:(blk + 1) * B].view(torch.int8).float() - torch.floor(y)
+        assert bool(((up == 0) | (up == 1)).all()) and 0.35 < float(up[half].mean()) < 0.65
         assert not torch.equal(_round_half_away(y).to(torch.int8).view(U8), mc[blk * B:(blk + 1) * B])
     assert vc[:B].tolist() == list(range(B))
     yv = _v8_unclamped(v[8 * B:10 * B], vs[8:10].repeat_interleave(B))
@@ -370,7 +383,7 @@ def test_codec_device_functions_on_random_blocks_and_decode_edge_scales():
     m = torch.randn(n, generator=g) * mag.repeat_interleave(C.BLOCK)[:n]
     v = torch.rand(n, generator=g) ** 8 * mag.repeat_interleave(C.BLOCK)[:n] ** 2   # sqrt(v) over octaves
     mc, ms, vc, vs = triton_encode(m, v)
-    assert torch.equal(mc, C.encode_m8(m)[0]) and torch.equal(bits(ms), bits(C.encode_m8(m)[1]))
+    assert torch.equal(mc, C.encode_m8(m, **M8_SR)[0]) and torch.equal(bits(ms), bits(C.encode_m8(m, **M8_SR)[1]))
     assert torch.equal(vc, C.encode_v8(v)[0]) and torch.equal(bits(vs), bits(C.encode_v8(v)[1]))
     assert len(set(vc.tolist())) > 150 and len(set(mc.tolist())) > 200                  # not a trivial code
 

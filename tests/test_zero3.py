@@ -492,6 +492,93 @@ def _case_writes_between_steps(param_dtype, remainders):
     zopt.remove_hooks()
 
 
+class _HookedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.l2(torch.tanh(self.l1(x)))
+
+
+def _scale_by_weight_norm(mod, args):      # a user's forward pre-hook that reads the unit's parameters
+    return (args[0] / (1.0 + mod.l1.weight.norm()),)
+
+
+class _HookedModel(nn.Module):
+    """Units whose forward pre-hooks were registered before ZeroAdamW: a user's (reads a weight) and
+    torch.nn.utils.weight_norm's (computes the weight from g and v)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([_HookedBlock() for _ in range(2)])
+        for b in self.blocks:
+            b.register_forward_pre_hook(_scale_by_weight_norm)
+        self.out = nn.utils.weight_norm(nn.Linear(16, 4))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+def _case_user_pre_hooks():
+    """ZeroAdamW's gather runs first among a unit's forward pre-hooks (prepend, as FSDP2's): a pre-hook registered
+    earlier read the 0-element placeholder (the forward silently differed: 5.9e-2 after 3 steps), and
+    weight_norm's killed the process (SIGFPE in torch's _weight_norm of empty tensors). Within 1e-6 of torch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)) for _ in range(3)]
+    torch.manual_seed(0)
+    ref = _HookedModel()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    m = _HookedModel()
+    zopt = zk.ZeroAdamW(m, stage=3, lr=1e-2, timeout=60)
+    for x, y in data:
+        ((ref(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sl = slice(rank * 4, (rank + 1) * 4)
+        ((m(x[sl]) - y[sl]) ** 2).mean().backward()
+        zopt.step()
+        zopt.zero_grad()
+    full = zopt.full_model_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    zopt.remove_hooks()
+
+
+def _case_deepcopy_is_no_optimizers():
+    """copy.deepcopy(model) at stage 3 (an EMA / best-model copy taken inside zopt.gathered(), mid-training): the
+    copy's hooks are ZeroAdamW's functions, which now leave a module that is not theirs alone. Was: the copy's
+    forward gathered the ORIGINAL units (evaluated on rank 0 only, it waited for ranks that never came), and the
+    deepcopy copied the whole strategy through a bound state-dict hook (after a step: a ShardedGradError)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), _HookedBlock(), nn.Linear(16, 4))
+    zopt = zk.ZeroAdamW(model, stage=3, lr=1e-2, timeout=30)
+    model(torch.randn(4, 8)).sum().backward()
+    zopt.step()
+    zopt.zero_grad()
+    with zopt.gathered():
+        ema = copy.deepcopy(model)
+        x = torch.ones(2, 8)
+        want = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(ema.parameters(), want))
+    if rank == 0:                          # one rank only: nothing collective may happen
+        with torch.no_grad():
+            y = ema(x)
+        ref = nn.Sequential(nn.Linear(8, 16), _HookedBlock(), nn.Linear(16, 4))
+        ref.load_state_dict(ema.state_dict())
+        with torch.no_grad():
+            torch.testing.assert_close(y, ref(x))
+    dist.barrier()
+    zopt.remove_hooks()
+
+
 def _world_cases(rank, world, which):
     cases = Cases(rank, world)
 
@@ -517,6 +604,8 @@ def _world_cases(rank, world, which):
         cases.run("prefetch order", _case_prefetch_order)
     if "rank-dependent" in which:
         cases.run("rank-dependent parameters", _case_rank_dependent_parameters)
+        cases.run("user pre-hooks", _case_user_pre_hooks)
+        cases.run("deepcopy is no optimizer's", _case_deepcopy_is_no_optimizers)
     if "storage" in which:
         cases.run("storage release", _case_storage_release)
     if "mesh" in which:

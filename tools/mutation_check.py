@@ -275,6 +275,12 @@ FAULTS = [
      "bf16 SR with 15 random bits: biased rounding"),
     ("cod.sr_not_per_element", KC, "idx = ((offs + index_offset)", "idx = ((offs * 0 + index_offset)", "coded",
      "bf16 SR bits not keyed by the element index"),
+    ("cod.m8_dither_dropped", KC, "code = (q + r.to(tl.int32)) >> M8_DITHER_BITS",
+     "code = (q + (1 << 14)) >> M8_DITHER_BITS", "coded", "8-bit exp_avg rounded to nearest: no stochastic rounding"),
+    ("cod.m8_dither_not_per_element", KC, "idx = ((index_offset + offs)", "idx = ((index_offset + offs * 0)",
+     "coded", "8-bit exp_avg dither bits not keyed by the element index"),
+    ("ccod.m8_dither_dropped", CCS, "Q::srai<15>(Q::addi(q, r))", "Q::srai<15>(Q::addi(q, Q::set1i(1u << 14)))",
+     "cpu_coded", "C++ 8-bit exp_avg rounded to nearest: no stochastic rounding"),
     # (the table codec's search, shared by the ZeRO++ wire codec since the step's 8-bit codec became arithmetic)
     ("cod.q8_tie_up", KC, "code = tl.where(mid < y, code + step, code)", "code = tl.where(mid <= y, code + step, code)",
      "wire", "8-bit table code of a value on a midpoint takes the upper entry"),

@@ -109,10 +109,10 @@ def _keys(cache: dict, steps: Tensor, states: list[dict[str, Tensor]], seeds: li
           index_offsets: list[int] | None, device: torch.device) -> Tensor:
     """int64 [T, 3] (seed, step count, flat index of element 0): each kernel derives the moments' stochastic-
     rounding keys ``codecs.sr_key(seed, step, 0 | 1)`` per tensor itself. One tensor kept in ``cache``; its step
-    column is refreshed from this step's counts (one copy, no host sync) only when a moment is bf16 (without
-    stochastic rounding the kernels read only the index)."""
+    column is refreshed from this step's counts (one copy, no host sync) only when a moment is rounded
+    stochastically (bf16, or the 8-bit exp_avg; otherwise the kernels read only the index)."""
     if "keys" not in cache:
-        sr = any(s[k].dtype == torch.bfloat16 for s in states for k in ("exp_avg", "exp_avg_sq"))
+        sr = any(codecs.rounds_stochastically(k, s[k].dtype) for s in states for k in ("exp_avg", "exp_avg_sq"))
         offs = [0] * len(states) if index_offsets is None else list(index_offsets)
         rows = [[seed & codecs.M32, 0, off] for seed, off in zip(seeds, offs)]
         cache["sr"], cache["keys"] = sr, torch.tensor(rows, dtype=torch.int64).reshape(len(states), 3).to(device)

@@ -27,10 +27,21 @@ Integer arithmetic below is on uint32 (wrapping); here it runs on int64 tensors 
    ranks). Both codes are arithmetic (m: a multiply and a rounding per element; v: an add and a shift on
    the bits; no table, no search); all operations are IEEE fp32 (no FMA) or integer:
 
-       m (signed):  scale = max |m| over the block
-                    inv   = 127 / scale, replaced by 0 unless finite (scale 0, inf, NaN, tiny)
-                    code  = round_half_even(m * inv) in [-127, 127], stored as int8 bits; 0 where inv == 0
+       m (signed, rounded stochastically):
+                    scale = max |m| over the block
+                    inv   = 127 * 2^15 / scale, replaced by 0 unless finite (scale 0, inf, NaN, below 1.2e-32)
+                    q     = round_half_even(m * inv)          (an int32: |q| <= 127 * 2^15 + a rounding)
+                    r     = ((i ^ key) * 0x9E3779B1 mod 2^32) >> 17      (``m8_dither``: 15 random bits of the
+                            element's flat index i, key = sr_key(seed, t, 0) as in 1)
+                    code  = clamp((q + r) >> 15, -127, 127) (arithmetic shift: floor((q + r) / 2^15)), stored
+                            as int8 bits; 0 where inv == 0
                     m'    = float(code) * (scale / 127)
+                    The code is floor(m * 127 / scale + u), u uniform in [0, 1) (to 2^-15): E[code] = m * 127 /
+                    scale, so an m that decays (its gradient stopped: m <- 0.9 m) decays in its codes too. Rounded
+                    to nearest, a code of 1-4 decayed back to itself (0.9 * 4 = 3.6 -> 4): m stayed at k/127 of
+                    its block's scale while the block's other elements kept the scale up, and the element moved by
+                    the same step forever (7% of lr per step; tests/test_optim_coded.py). v's code below does not
+                    need it: a v stuck at its code only makes the (decaying) update smaller.
        v (unsigned, a log code of s = sqrt(v) on its float bits, 16 steps per octave):
                     s     = sqrt(v)   (correctly rounded: the step's own square root, nothing more)
                     scale = max s over the block
@@ -128,7 +139,7 @@ from .reference import compute_coeffs, fused_adam_ref, sqrt_rn
 __all__ = [
     "BLOCK", "M32", "fmix32", "sr_key", "sr_bits", "encode_bf16_sr", "encode_bf16_rne",
     "dynamic_map", "CODE_BOOKS", "midpoints", "scaled_blocks", "encode_q8", "decode_q8",
-    "M8_LEVELS", "V8_LEVELS", "V8_STEP_BITS", "block_absmax", "encode_m8", "decode_m8", "encode_v8", "decode_v8",
+    "M8_LEVELS", "M8_DITHER_BITS", "M8_DITHER_MUL", "m8_dither", "rounds_stochastically", "V8_LEVELS", "V8_STEP_BITS", "block_absmax", "encode_m8", "decode_m8", "encode_v8", "decode_v8",
     "F8_MAX", "encode_f8", "encode_f8_v", "decode_f8",
     "split_remainder", "join_remainder", "remainder_is_lossy",
     "U8_CODE", "holds_u8_moments", "u8_code_problem",
@@ -283,11 +294,27 @@ def _step(scale: Tensor, levels: float, n: int) -> Tensor:
     return _div_const(scale, levels).repeat_interleave(BLOCK)[:n]
 
 
-def encode_m8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """exp_avg fp32 -> (uint8 tensor of int8 codes shaped like x, fp32 scales [ceil(numel / BLOCK)])."""
+M8_DITHER_BITS = 15                          # [Note: state codecs] 2: the m code's stochastic rounding
+M8_DITHER_MUL = 0x9E3779B1                   # odd (2^32 / golden ratio): (i ^ key) * it spreads consecutive i
+
+
+def m8_dither(numel: int, key: int, index_offset: int = 0, device=None) -> Tensor:
+    """The m code's 15 random bits per element (int64 in [0, 2^15)) for flat indices index_offset .. + numel:
+    ((i ^ key) * M8_DITHER_MUL mod 2^32) >> 17."""
+    idx = (torch.arange(numel, dtype=torch.int64, device=device) + index_offset) & M32
+    return _mul32(idx ^ key, M8_DITHER_MUL) >> (32 - M8_DITHER_BITS)
+
+
+def encode_m8(x: Tensor, *, seed: int = 0, step: int = 0, stream: int = 0,
+              index_offset: int = 0) -> tuple[Tensor, Tensor]:
+    """exp_avg fp32 -> (uint8 tensor of int8 codes shaped like x, fp32 scales [ceil(numel / BLOCK)]), rounded
+    stochastically with the bits of ``m8_dither`` (key: sr_key(seed, step, stream))."""
     xb, scale = block_absmax(x)
-    inv = _inverse(scale, M8_LEVELS)[:, None]
-    code = torch.where(inv == 0, 0.0, torch.round(xb * inv)).to(torch.int8)
+    inv = _inverse(scale, M8_LEVELS * 2 ** M8_DITHER_BITS)[:, None]
+    q = torch.round(xb * inv).to(torch.int64)                     # |q| <= 127 * 2^15 + a rounding: < 2^22
+    r = m8_dither(xb.numel(), sr_key(seed, step, stream), index_offset, x.device).view(xb.shape)
+    code = torch.clamp((q + r) >> M8_DITHER_BITS, -int(M8_LEVELS), int(M8_LEVELS))
+    code = torch.where(inv == 0, 0, code).to(torch.int8)
     return code.reshape(-1)[: x.numel()].view(torch.uint8).view(x.shape), scale
 
 
@@ -489,6 +516,13 @@ def state_nbytes(state: dict[str, Tensor]) -> int:
 
 _ENCODERS = {("exp_avg", torch.uint8): encode_m8, ("exp_avg_sq", torch.uint8): encode_v8,
              ("exp_avg", torch.float8_e4m3fn): encode_f8, ("exp_avg_sq", torch.float8_e4m3fn): encode_f8_v}
+_ROUNDED = {("exp_avg", torch.uint8)}        # the blockwise encoders that round stochastically (take ``sr``)
+
+
+def rounds_stochastically(key: str, dtype: torch.dtype) -> bool:
+    """Whether state ``key`` stored as ``dtype`` is encoded with the step's stochastic-rounding key (bf16
+    moments, [Note: state codecs] 1; the 8-bit exp_avg, 2)."""
+    return dtype == torch.bfloat16 or (key, dtype) in _ROUNDED
 _DECODERS = {("exp_avg", torch.uint8): decode_m8, ("exp_avg_sq", torch.uint8): decode_v8,
              ("exp_avg", torch.float8_e4m3fn): decode_f8, ("exp_avg_sq", torch.float8_e4m3fn): decode_f8}
 
@@ -507,7 +541,8 @@ def encode_moment(state: dict[str, Tensor], key: str, x: Tensor, rounding: str =
     :func:`encode_bf16_sr`: seed, step, stream, index_offset)."""
     s = state[key]
     if s.dtype in BLOCKWISE:
-        codes, scale = _ENCODERS[key, s.dtype](x)
+        codes, scale = _ENCODERS[key, s.dtype](x, **(sr or {})) if (key, s.dtype) in _ROUNDED else \
+            _ENCODERS[key, s.dtype](x)
         s.copy_(codes)
         state[key + "_scale"].copy_(scale)
     elif s.dtype == torch.bfloat16:

@@ -61,7 +61,8 @@ class ParamGatherer:
                         owned.setdefault(mod, set()).add(index[id(p)])
             wait_all = scoped(timeout, group, lambda *args: self.wait_for_params())
             for mod, bis in owned.items():
-                self.handles.append(mod.register_forward_pre_hook(scoped(timeout, group, self._hook(sorted(bis)))))
+                self.handles.append(mod.register_forward_pre_hook(scoped(timeout, group, self._hook(sorted(bis))),
+                                                                  prepend=True))   # before the user's pre-hooks
                 self.handles.append(mod.register_state_dict_pre_hook(wait_all))
                 self.handles.append(mod.register_load_state_dict_pre_hook(wait_all))
 

@@ -163,7 +163,9 @@ class Stage3(HookReduced):
         # overlap_comm honoured as in stage 2: False defers every reduce-scatter to the end of backward
         HookReduced.__init__(self, ctx, Stage3Reducer, on_backward_start=self.runtime.ensure_final_callback,
                              free_bucket=self.runtime.free)
-        self._state_dict_hook = ctx.model.register_state_dict_pre_hook(self._state_dict_guard)
+        guard = self._state_dict_guard     # through a plain function: copy.deepcopy(model) copies a bound
+        self._state_dict_hook = ctx.model.register_state_dict_pre_hook(   # method's object (this whole strategy)
+            lambda module, prefix, keep_vars: guard(module, prefix, keep_vars))
 
     def _state_dict_guard(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         """[Note: the module's own state_dict at stage 3] Outside forward the parameters are freed
@@ -171,8 +173,8 @@ class Stage3(HookReduced):
         would write empty weights that fail to load later. It raises instead, naming the fix, unless
         every unit is gathered (inside ``zopt.gathered()``). ``keep_vars=True`` (the Parameter objects
         themselves, what identity joins use) is always allowed."""
-        if keep_vars or all(b.gather_state == GATHERED for b in self.ctx.buckets):
-            return
+        if keep_vars or module is not self.ctx.model or all(b.gather_state == GATHERED for b in self.ctx.buckets):
+            return                                  # (a deepcopy of the model is no optimizer's)
         raise RuntimeError(
             "model.state_dict() under ZeRO-3: the parameters are sharded across ranks and freed outside "
             "forward, so it would return 0-element tensors. Use zopt.full_model_state_dict() (collective: "

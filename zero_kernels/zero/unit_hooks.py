@@ -74,9 +74,11 @@ class UnitRuntime:
         self.handles = []
         for u in self.units:
             if u.buckets or u.index == 0:
-                # eager even inside torch.compile (see [Note: stage 3 under torch.compile])
+                # eager even inside torch.compile (see [Note: stage 3 under torch.compile]); first of the unit's
+                # pre-hooks, as FSDP2's: a user's pre-hook (or weight_norm's) registered earlier reads the
+                # gathered parameters, not the 0-element placeholders
                 self.handles.append(u.module.register_forward_pre_hook(torch.compiler.disable(
-                    scoped(self.timeout, self.group, self._pre_forward_hook(u)))))
+                    scoped(self.timeout, self.group, self._pre_forward_hook(u))), prepend=True))
                 self.handles.append(u.module.register_forward_hook(
                     torch.compiler.disable(self._post_forward_hook(u))))
         # sequences (unit indices, with repeats) recorded in the first forward / backward
@@ -156,6 +158,8 @@ class UnitRuntime:
     # ---- forward hooks ----------------------------------------------------------------------------
     def _pre_forward_hook(self, u: _Unit):
         def hook(module, args):
+            if module is not u.module:                # a copy.deepcopy of the model: its hooks are these functions,
+                return None                           # but it is no optimizer's (it owns its own full tensors)
             if _in_backward():                        # checkpoint recomputation
                 if not u.hooked:                      # reentrant: the forward left no pre-backward hook
                     self._unit_backward(u)
@@ -183,7 +187,7 @@ class UnitRuntime:
 
     def _post_forward_hook(self, u: _Unit):
         def hook(module, args, output):
-            if _in_backward():
+            if module is not u.module or _in_backward():    # a deepcopy's forward, or checkpoint recomputation
                 return None
             needs_grad = False
             if torch.is_grad_enabled():
