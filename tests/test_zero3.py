@@ -472,6 +472,15 @@ def _case_writes_between_steps(param_dtype, remainders):
     after = full()
     for k, v in written.items():
         assert torch.equal(after[k], v), ("written", k, (after[k] - v).abs().max())  # on every rank's slice
+    with zopt.gathered():                                      # through .data alone: no version counter moves
+        with torch.no_grad():                                  # a forward inside keeps every unit gathered
+            model(torch.randn(2, 7).to(model[0].weight.dtype))
+        assert model[2].weight.numel() == 27 and model.state_dict()["2.weight"].numel() == 27
+        model[2].weight.data.mul_(2.0)
+        w2 = model[2].weight.detach().float().clone()
+    with torch.no_grad():
+        ref[2].weight.copy_(w2)
+    assert torch.equal(full()["2.weight"], w2)
     sd = {k: torch.full_like(v, 0.125) if k == "2.weight" else v.clone() for k, v in ref.state_dict().items()}
     with zopt.gathered():
         model.load_state_dict({k: v.to(model[0].weight.dtype) for k, v in sd.items()})

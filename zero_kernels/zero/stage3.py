@@ -240,13 +240,16 @@ class Stage3(HookReduced):
     def gathered(self):
         with torch.no_grad():
             self.runtime.gather_all()
+        self.runtime.pinned += 1                # a forward inside keeps the units (its post-hooks would free them)
         try:
             yield
             with torch.no_grad():               # [Note: writes to stage-3 parameters] in unit_bucket.py
                 for b in self.ctx.buckets:
                     b.writeback()
         finally:
-            self.runtime.free_all()
+            self.runtime.pinned -= 1
+            if not self.runtime.pinned:
+                self.runtime.free_all()
 
     # ---- introspection -----------------------------------------------------------------------------
     def memory_report(self) -> dict[str, Any]:

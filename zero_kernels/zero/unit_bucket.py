@@ -63,6 +63,11 @@ def cache_module():
     return mod if mod is not None and hasattr(mod, "cached_empty") else None
 
 
+def _bits(t: Tensor) -> Tensor:
+    """``t``'s bit patterns as integers (so NaN equals itself)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def _full_buffer(numel: int, dtype: torch.dtype, device: torch.device, cached: bool) -> Tensor:
     """A unit bucket's full parameter buffer. On CPU with ``cached``, its storage allocates from the
     gather cache, so the resize_(0) / resize_(n) of every free / gather reuses a block instead of
@@ -135,10 +140,15 @@ class UnitBucket(FlatBucket):
     @torch.no_grad()
     def writeback(self) -> None:
         """End of ``zopt.gathered()``: parameters written while gathered become this rank's shard (and its
-        master, by adoption) ([Note: writes to stage-3 parameters])."""
-        if self.gather_state != GATHERED or self.written_param() is None:
+        master, by adoption) ([Note: writes to stage-3 parameters]). A write through ``p.data`` moves no version
+        counter: the rank's own slice is also compared with its shard, bit for bit (FSDP's writeback copies
+        whatever the counters say)."""
+        if self.gather_state != GATHERED:
             return
-        self.shard.copy_(self.param_flat[self.slice_start:self.slice_end])
+        mine = self.param_flat[self.slice_start:self.slice_end]
+        if self.written_param() is None and torch.equal(_bits(mine), _bits(self.shard)):
+            return
+        self.shard.copy_(mine)
         super().adopt_edits(force=True)         # the master slice brought to the written shard
 
     def _is_view(self, p: Tensor, ps) -> bool:

@@ -95,6 +95,7 @@ class UnitRuntime:
         self._final_queued = False
         self.hold = BackwardHold(self.free_all)   # [Note: forward without backward] in unit_hold.py
         self.gathered_bytes = 0
+        self.pinned = 0                       # zopt.gathered() blocks open: nothing is freed (Stage3.gathered)
         self.peak_gathered_bytes = 0
         self.peak_gathered_units = 0
         self.num_gathers = 0
@@ -116,6 +117,8 @@ class UnitRuntime:
             b.finish_gather()
 
     def free(self, b: UnitBucket) -> None:
+        if self.pinned:                         # inside zopt.gathered(): a forward there keeps every unit
+            return
         if b.gather_state != FREE:
             b.free()
             self.gathered_bytes -= b.full_bytes
