@@ -20,8 +20,9 @@ slice's ``shard_numel`` elements:
   kernel runs once over the whole slice (its padding is zero and stays zero: a zero gradient on zero
   states changes nothing, and zeros never raise a block's absmax). Otherwise the slice is decoded to
   fp32, the active runs take the fp32 step of step.py, and the slice is encoded again: the elements
-  of inactive pieces keep their masters and step counts, and their moments are re-encoded (their
-  decoded values move by at most one quantization step, only when their block's scale changed).
+  of inactive pieces keep their masters, step counts and codes (their block keeps its scale while the
+  active elements fit under it; only when it must grow are they coded again, one rounding each time), so a
+  long freeze no longer drifts with the block scale (``codecs.encode_moment_keeping``).
 * Everything that is not the step (checkpoints, DCP, full state dicts) reads and writes fp32 through
   :func:`decode_slice` / :func:`encode_slice`; ``state_dict()`` holds the coded tensors themselves.
 """
@@ -135,13 +136,23 @@ def step_coded_slice(b, n: int, group: dict, step: int, scale: Tensor, backend: 
                           optim_coded.group_hparams(group, adamw), grad_scale=scale, found_inf=None)
 
 
-def step_decoded_slice(b, fused_step, step: int) -> None:
+def step_decoded_slice(b, fused_step, step: int, runs: Sequence[tuple[int, int, int]]) -> None:
     """The mixed case of the Note: decode the slice, ``fused_step(master, exp_avg, exp_avg_sq, params16)``
-    runs the fp32 step on the runs, encode again (the remainder re-split from the new master)."""
+    runs the fp32 step on the ``runs`` ((start, end, step) of the active pieces), encode again keeping the codes
+    of the pieces that took no step (``codecs.encode_moment_keeping``; the remainder re-split from the new
+    master)."""
     fp32 = decode_slice(b.optim.tensors)
     master = b.master_fp32().clone() if b.remainder is not None else b.master
     fused_step(master, fp32["exp_avg"], fp32["exp_avg_sq"], None if b.master_is_param else b.owned_params)
-    encode_slice(b.optim.tensors, fp32, b.index, step, b.slice_start)
+    keep = torch.zeros(fp32["exp_avg"].numel(), dtype=torch.bool, device=fp32["exp_avg"].device)
+    for pc in b.pieces:
+        keep[pc.start:pc.start + pc.numel] = True
+    for start, end, _ in runs:
+        keep[start:end] = False
+    for stream, k in enumerate(MOMENT_KEYS):
+        sr = dict(seed=b.index, step=step, stream=stream, index_offset=b.slice_start)
+        t = b.optim.tensors[k]
+        codecs.encode_moment_keeping(b.optim.tensors, k, fp32[k].to(t.device, torch.float32), keep.to(t.device), sr)
     if b.remainder is not None:
         hi, rem = codecs.split_remainder(master)
         b.owned_params.copy_(hi)

@@ -64,7 +64,7 @@ def step_bucket(b: FlatBucket, group: dict, active: Tensor, steps: Sequence[int]
         else:
             step_decoded_slice(b, lambda m, ea, eas, p16: _fused_runs(runs, group, m, b.reduce.grad_slice, ea, eas,
                                                                    None, p16, scale, fused, adamw, device),
-                               max(s for _, _, s in runs))
+                               max(s for _, _, s in runs), runs)
         return
     st = b.optim
     _fused_runs(runs, group, b.master, b.reduce.grad_slice, st.exp_avg, st.exp_avg_sq,
