@@ -569,3 +569,43 @@ def test_quality_script_smoke(capsys, monkeypatch):
     mod.main(["--steps", "3", "--only", "8-bit + remainders", "--threads", "1"])
     out = capsys.readouterr().out
     assert "| torch AdamW fp32 | " in out and "| ours bf16 params, 8-bit + remainders | " in out
+
+
+@pytest.mark.parametrize("key, dtype", [("exp_avg", U8), ("exp_avg_sq", U8), ("exp_avg", torch.float8_e4m3fn),
+                                        ("exp_avg_sq", torch.float8_e4m3fn)])
+def test_encode_moment_keeping_holds_kept_values(key, dtype):
+    """codecs.encode_moment_keeping ([Note: coded ZeRO states]): 200 re-encodings while the other elements of the kept
+    ones' blocks grow 1% per step. Kept values: exactly as stored for 8-bit v and float8 (the scale grows in whole
+    code steps / powers of two), unbiased for 8-bit m; blocks without kept elements: as encode_moment codes them.
+    Negative control: plain encode_moment makes the kept v follow the growing scale."""
+    n = 600
+    g = torch.Generator().manual_seed(3)
+    base = torch.rand(n, generator=g) * 1e-4 * (1 if key == "exp_avg_sq" else torch.randn(n, generator=g).sign())
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[10:50] = True
+    keep[300:320] = True
+    runs = {}
+    for how in ("keeping", "plain"):
+        st = {key: torch.zeros(n, dtype=dtype), key + "_scale": torch.zeros(3)}
+        C.encode_moment(st, key, base, sr=dict(seed=1, step=1, stream=0))
+        d0 = C.decode_moment(st, key)
+        for t in range(200):
+            x = C.decode_moment(st, key)
+            x[~keep] = d0[~keep] * (1.0 + 0.01 * (t + 1))
+            sr = dict(seed=1, step=t + 2, stream=0)
+            if how == "keeping":
+                C.encode_moment_keeping(st, key, x, keep, sr)
+            else:
+                C.encode_moment(st, key, x, sr=sr)
+        runs[how] = (d0, C.decode_moment(st, key), st, x)
+    d0, d1, st, x = runs["keeping"]
+    if key == "exp_avg" and dtype == U8:
+        assert abs(float((d1[keep] - d0[keep]).sum() / d0[keep].abs().sum())) < 0.1      # unbiased, not held
+    else:
+        assert torch.equal(d1[keep], d0[keep])
+    other = {key: torch.zeros(n - 512, dtype=dtype), key + "_scale": torch.zeros(1)}
+    C.encode_moment(other, key, x[512:].contiguous(), sr=dict(seed=1, step=201, stream=0, index_offset=512))
+    assert torch.equal(st[key].view(torch.uint8)[512:], other[key].view(torch.uint8))        # block 2: no kept element
+    if key == "exp_avg_sq":
+        p0, p1, _, _ = runs["plain"]
+        assert float((p1[keep] / p0[keep]).median()) > 1.5                                    # followed the scale

@@ -608,6 +608,7 @@ def encode_moment_keeping(state: dict[str, Tensor], key: str, x: Tensor, keep: T
         idx = torch.arange(kb.numel(), device=x.device) * BLOCK
         first = _blocks(k.float()).argmax(dim=1) + idx
         other = torch.where(first % BLOCK == 0, first + 1, first - 1).clamp(max=n - 1)
+        ok = ok & (other != first)                              # a one-element block has no second position
         runs = []
         for pos in (first, other):
             y = flat.clone()
