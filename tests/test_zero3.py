@@ -585,6 +585,11 @@ def _case_deepcopy_is_no_optimizers():
         with torch.no_grad():
             torch.testing.assert_close(y, ref(x))
     dist.barrier()
+    outside = copy.deepcopy(model)             # outside gathered(): placeholders, named (was: an empty state dict)
+    for use in (lambda: outside.state_dict(), lambda: outside(torch.ones(2, 8))):
+        with pytest.raises(RuntimeError, match=r"'0.weight' of this module is an empty placeholder.*outside `with "
+                                               r"zopt.gathered\(\):`"):
+            use()
     zopt.remove_hooks()
 
 

@@ -79,7 +79,7 @@ from .heap import release_free_heap
 from .hooks import Stage2Reducer
 from .report import nbytes, state_report
 from .strategy import HookReduced, StrategyContext
-from .unit_bucket import GATHERED, UnitBucket, gather_cache_stats
+from .unit_bucket import GATHERED, UnitBucket, copied_placeholder, copied_placeholder_error, gather_cache_stats
 from .unit_hooks import UnitRuntime
 from .units import assign_units
 
@@ -173,8 +173,13 @@ class Stage3(HookReduced):
         would write empty weights that fail to load later. It raises instead, naming the fix, unless
         every unit is gathered (inside ``zopt.gathered()``). ``keep_vars=True`` (the Parameter objects
         themselves, what identity joins use) is always allowed."""
-        if keep_vars or module is not self.ctx.model or all(b.gather_state == GATHERED for b in self.ctx.buckets):
-            return                                  # (a deepcopy of the model is no optimizer's)
+        if module is not self.ctx.model:            # a deepcopy of the model is no optimizer's: its own tensors,
+            name = copied_placeholder(module, self.ctx.model, self.ctx.buckets)   # unless copied while freed
+            if name is not None and not keep_vars:
+                raise copied_placeholder_error(name)
+            return
+        if keep_vars or all(b.gather_state == GATHERED for b in self.ctx.buckets):
+            return
         raise RuntimeError(
             "model.state_dict() under ZeRO-3: the parameters are sharded across ranks and freed outside "
             "forward, so it would return 0-element tensors. Use zopt.full_model_state_dict() (collective: "

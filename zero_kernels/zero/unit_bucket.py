@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .. import _ext
 from . import collectives as C
@@ -61,6 +61,25 @@ def cache_module():
     csrc/block_cache.cpp), else None (then gathered buffers come from torch's allocator)."""
     mod = _ext.cpu_module()
     return mod if mod is not None and hasattr(mod, "cached_empty") else None
+
+
+def copied_placeholder(copy: nn.Module, original: nn.Module, buckets) -> str | None:
+    """The name of a parameter of ``copy`` (a ``copy.deepcopy`` of ``original``) that is an empty placeholder of a
+    parameter ``buckets`` manage (a nonempty one), else None: the copy was taken outside ``zopt.gathered()``."""
+    managed = {id(p) for b in buckets for p, ps in zip(b.params, b.param_specs) if ps.numel > 0}
+    orig = dict(original.named_parameters())
+    for n, p in copy.named_parameters():
+        o = orig.get(n)
+        if o is not None and o is not p and id(o) in managed and p.numel() == 0:
+            return n
+    return None
+
+
+def copied_placeholder_error(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"parameter {name!r} of this module is an empty placeholder: the module is a copy.deepcopy of a model "
+        "sharded by ZeroAdamW(stage=3) taken outside `with zopt.gathered():`, where the parameters are freed "
+        "(0 elements). Take the copy inside `with zopt.gathered():` (on every rank) to give it the full weights.")
 
 
 def _bits(t: Tensor) -> Tensor:

@@ -28,7 +28,7 @@ from torch.autograd import Variable
 
 from .grad_guard import UNWRAPPED
 from .timeouts import scoped
-from .unit_bucket import FREE, UnitBucket, cache_module
+from .unit_bucket import FREE, UnitBucket, cache_module, copied_placeholder, copied_placeholder_error
 from .unit_hold import BackwardHold
 
 __all__ = ["UnitRuntime"]
@@ -162,7 +162,10 @@ class UnitRuntime:
     def _pre_forward_hook(self, u: _Unit):
         def hook(module, args):
             if module is not u.module:                # a copy.deepcopy of the model: its hooks are these functions,
-                return None                           # but it is no optimizer's (it owns its own full tensors)
+                name = copied_placeholder(module, u.module, u.buckets)     # but it is no optimizer's (it owns its
+                if name is not None:                                     # own tensors: full when copied inside
+                    raise copied_placeholder_error(f"{u.name}.{name}" if u.name else name)   # zopt.gathered(),
+                return None                                              # else placeholders)
             if _in_backward():                        # checkpoint recomputation
                 if not u.hooked:                      # reentrant: the forward left no pre-backward hook
                     self._unit_backward(u)
