@@ -119,41 +119,77 @@ def decode_saved(st: dict, amsgrad: bool) -> dict[str, Tensor]:
     return {"master": master, **decode_slice(st), **({"max_exp_avg_sq": st["max_exp_avg_sq"].float()} if amsgrad else {})}
 
 
-def step_coded_slice(b, n: int, group: dict, step: int, scale: Tensor, backend: str, adamw: bool) -> None:
-    """One coded step of the first ``n`` elements of bucket ``b``'s slice: all its parameter pieces, every one
-    active with step count ``step``. The padding after them is not touched (its blocks start at a multiple
-    of 256, so the blocks of the pieces are the slice's own)."""
-    nb = -(-n // codecs.BLOCK)
-    st = {k: t[:nb] if k.endswith("_scale") else t[:n] for k, t in b.optim.tensors.items()}
+def _views(b, lo: int, hi: int) -> dict[str, Tensor]:
+    """The moments (and block scales) of elements [lo, hi) of b's slice, as views (lo a multiple of 256)."""
+    return {k: t[lo // codecs.BLOCK:-(-hi // codecs.BLOCK)] if k.endswith("_scale") else t[lo:hi]
+            for k, t in b.optim.tensors.items()}
+
+
+def step_coded_slice(b, lo: int, hi: int, group: dict, step: int, scale: Tensor, backend: str,
+                     adamw: bool) -> None:
+    """One coded step of elements [lo, hi) of bucket ``b``'s slice (lo a multiple of 256: whole blocks of the
+    slice), every parameter piece there active with step count ``step``. The padding after ``hi`` is not touched
+    (its blocks start at a multiple of 256, so the blocks of the pieces are the slice's own)."""
+    st = _views(b, lo, hi)
     st["step"] = torch.full((), float(step - 1), dtype=torch.float32, device=b.device)
     if b.remainder is not None:
-        st["master_remainder"], param = b.remainder[:n], b.owned_params[:n]
+        st["master_remainder"], param = b.remainder[lo:hi], b.owned_params[lo:hi]
     elif b.master_is_param:
-        param = b.master[:n]
+        param = b.master[lo:hi]
     else:
-        st["master_param"], param = b.master[:n], b.owned_params[:n]
-    optim_coded.run_coded(backend, [param], [b.reduce.grad_slice[:n]], [st], [b.index], [b.slice_start],
+        st["master_param"], param = b.master[lo:hi], b.owned_params[lo:hi]
+    optim_coded.run_coded(backend, [param], [b.reduce.grad_slice[lo:hi]], [st], [b.index], [b.slice_start + lo],
                           optim_coded.group_hparams(group, adamw), grad_scale=scale, found_inf=None)
 
 
-def step_decoded_slice(b, fused_step, step: int, runs: Sequence[tuple[int, int, int]]) -> None:
-    """The mixed case of the Note: decode the slice, ``fused_step(master, exp_avg, exp_avg_sq, params16)``
-    runs the fp32 step on the ``runs`` ((start, end, step) of the active pieces), encode again keeping the codes
-    of the pieces that took no step (``codecs.encode_moment_keeping``; the remainder re-split from the new
-    master)."""
-    fp32 = decode_slice(b.optim.tensors)
-    master = b.master_fp32().clone() if b.remainder is not None else b.master
-    fused_step(master, fp32["exp_avg"], fp32["exp_avg_sq"], None if b.master_is_param else b.owned_params)
-    keep = torch.zeros(fp32["exp_avg"].numel(), dtype=torch.bool, device=fp32["exp_avg"].device)
+def step_decoded_slice(b, fused_step, step: int, runs: Sequence[tuple[int, int, int]], lo: int = 0,
+                       hi: int | None = None) -> None:
+    """The mixed case of the Note over elements [lo, hi) of the slice (whole blocks; default all): decode them,
+    ``fused_step(master, exp_avg, exp_avg_sq, params16)`` (views of [lo, hi)) runs the fp32 step on the ``runs``
+    ((start, end, step) of the active pieces, relative to ``lo``), encode again keeping the codes of the pieces
+    that took no step (``codecs.encode_moment_keeping``; the remainder re-split from the new master)."""
+    hi = b.spec.shard_numel if hi is None else hi
+    mom = _views(b, lo, hi)
+    fp32 = decode_slice(mom)
+    if b.remainder is not None:
+        master = codecs.join_remainder(b.owned_params[lo:hi], b.remainder[lo:hi])
+    else:
+        master = b.master[lo:hi]
+    fused_step(master, fp32["exp_avg"], fp32["exp_avg_sq"], None if b.master_is_param else b.owned_params[lo:hi])
+    keep = torch.zeros(hi - lo, dtype=torch.bool, device=fp32["exp_avg"].device)
     for pc in b.pieces:
-        keep[pc.start:pc.start + pc.numel] = True
+        a, e = max(pc.start, lo), min(pc.start + pc.numel, hi)
+        if a < e:
+            keep[a - lo:e - lo] = True
     for start, end, _ in runs:
         keep[start:end] = False
     for stream, k in enumerate(MOMENT_KEYS):
-        sr = dict(seed=b.index, step=step, stream=stream, index_offset=b.slice_start)
-        t = b.optim.tensors[k]
-        codecs.encode_moment_keeping(b.optim.tensors, k, fp32[k].to(t.device, torch.float32), keep.to(t.device), sr)
+        sr = dict(seed=b.index, step=step, stream=stream, index_offset=b.slice_start + lo)
+        t = mom[k]
+        codecs.encode_moment_keeping(mom, k, fp32[k].to(t.device, torch.float32), keep.to(t.device), sr)
     if b.remainder is not None:
-        hi, rem = codecs.split_remainder(master)
-        b.owned_params.copy_(hi)
-        b.remainder.copy_(rem)
+        p16, rem = codecs.split_remainder(master)
+        b.owned_params[lo:hi].copy_(p16)
+        b.remainder[lo:hi].copy_(rem)
+
+
+def block_segments(pieces, runs: Sequence[tuple[int, int, int]], end: int) -> list[tuple[int, int, int | None]]:
+    """Elements [0, end) of a slice cut into runs of whole 256-element blocks (the last one may stop at ``end``):
+    (lo, hi, step) where every piece overlapping those blocks is active with one step count ``step`` (the coded
+    kernel steps them), (lo, hi, None) where the blocks mix pieces without a step or with other counts (the
+    decoded path, keeping the codes of the ones without a step)."""
+    nb = -(-end // codecs.BLOCK)
+    steps: list[set] = [set() for _ in range(nb)]
+    for pc in pieces:                                   # None: a piece that takes no step this time
+        st = next((s for a, e, s in runs if a <= pc.start < e), None)
+        for k in range(pc.start // codecs.BLOCK, -(-(pc.start + pc.numel) // codecs.BLOCK)):
+            steps[k].add(st)
+    out: list[tuple[int, int, int | None]] = []
+    for k in range(nb):
+        kind = next(iter(steps[k])) if len(steps[k]) == 1 and None not in steps[k] else None
+        lo, hi = k * codecs.BLOCK, min((k + 1) * codecs.BLOCK, end)
+        if out and out[-1][2] == kind and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi, kind)
+        else:
+            out.append((lo, hi, kind))
+    return out

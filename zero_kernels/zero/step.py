@@ -31,7 +31,7 @@ from ..hparams import as_float, scalar_lr
 from ..reference import compute_coeffs
 from . import collectives as C
 from .buckets import FlatBucket
-from .coded import step_coded_slice, step_decoded_slice
+from .coded import block_segments, step_coded_slice, step_decoded_slice
 
 __all__ = ["param_runs", "step_bucket", "global_norm"]
 
@@ -60,11 +60,20 @@ def step_bucket(b: FlatBucket, group: dict, active: Tensor, steps: Sequence[int]
     if b.optim.coded or b.remainder is not None:
         data_end = b.pieces[-1].start + b.pieces[-1].numel
         if len(runs) == 1 and runs[0][:2] == (0, data_end):        # every piece active, one step count
-            step_coded_slice(b, data_end, group, runs[0][2], scale, coded_backend, adamw)
-        else:
-            step_decoded_slice(b, lambda m, ea, eas, p16: _fused_runs(runs, group, m, b.reduce.grad_slice, ea, eas,
-                                                                   None, p16, scale, fused, adamw, device),
-                               max(s for _, _, s in runs), runs)
+            step_coded_slice(b, 0, data_end, group, runs[0][2], scale, coded_backend, adamw)
+            return
+        # blocks whose pieces all step with one count go to the coded kernel; the others (pieces without a step,
+        # or another count, in the block) through fp32 ([Note: coded ZeRO states])
+        for lo, hi, st in block_segments(b.pieces, runs, data_end):
+            if st is not None:
+                step_coded_slice(b, lo, hi, group, st, scale, coded_backend, adamw)
+                continue
+            sub = [(max(a, lo) - lo, min(e, hi) - lo, s) for a, e, s in runs if a < hi and e > lo]
+            if not sub:                                 # only pieces without a step: nothing changes
+                continue
+            step_decoded_slice(b, lambda m, ea, eas, p16, sub=sub, lo=lo, hi=hi: _fused_runs(
+                sub, group, m, b.reduce.grad_slice[lo:hi], ea, eas, None, p16, scale, fused, adamw, device),
+                max(s for _, _, s in sub), sub, lo, hi)
         return
     st = b.optim
     _fused_runs(runs, group, b.master, b.reduce.grad_slice, st.exp_avg, st.exp_avg_sq,
