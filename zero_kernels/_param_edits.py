@@ -44,42 +44,41 @@ MASTER_KEYS = ("master_param", "master_remainder")
 
 
 class Watch(NamedTuple):
-    """The parameters whose states hold a master, and their marks (version counter, data pointer) after the
-    last step."""
+    """The parameters whose states hold a master, their version counters after the last step and their data
+    pointers as last seen (the step itself moves no pointer: ``edited`` reads them, ``renew`` keeps them)."""
     params: list[Tensor]
-    marks: list[tuple[int, int]]
+    versions: list[int]
+    ptrs: list[int]
 
 
-NOTHING = Watch([], [])
-
-
-def _marks(params: list[Tensor]) -> list[tuple[int, int]]:
-    return [(p._version, p.data_ptr()) for p in params]
+NOTHING = Watch([], [], [])
 
 
 def watch(state: dict[Tensor, dict]) -> Watch:
     """The parameters of ``state`` (an optimizer's ``state``) that have a master, with their marks now."""
     params = [p for p, st in state.items() if any(k in st for k in MASTER_KEYS)]
-    return Watch(params, _marks(params))
+    return Watch(params, [p._version for p in params], [p.data_ptr() for p in params])
 
 
 def all_written(state: dict[Tensor, dict]) -> Watch:
     """``watch(state)`` with every parameter counted as written since (no version counter is negative)."""
-    params = watch(state).params
-    return Watch(params, [(-1, 0)] * len(params))
+    w = watch(state)
+    return w._replace(versions=[-1] * len(w.params))
 
 
 def renew(w: Watch) -> Watch:
-    """``w``'s parameters with their marks now (each step; ``watch`` again only when states were made)."""
-    return Watch(w.params, _marks(w.params))
+    """``w`` with the versions now (after each step; ``watch`` again only when states were made)."""
+    return w._replace(versions=[p._version for p in w.params])
 
 
-def edited(w: Watch) -> list[Tensor]:
-    """The watched parameters written since ``w`` was taken (one list comparison when none was)."""
-    now = _marks(w.params)
-    if now == w.marks:
-        return []
-    return [p for p, a, b in zip(w.params, w.marks, now) if a != b]
+def edited(w: Watch) -> tuple[list[Tensor], Watch]:
+    """The watched parameters written since ``w`` was taken (one list comparison each for versions and pointers
+    when none was), and ``w`` with the pointers now."""
+    versions, ptrs = [p._version for p in w.params], [p.data_ptr() for p in w.params]
+    if versions == w.versions and ptrs == w.ptrs:
+        return [], w
+    changed = [p for p, a, b, c, d in zip(w.params, w.versions, versions, w.ptrs, ptrs) if a != b or c != d]
+    return changed, w._replace(ptrs=ptrs)
 
 
 @torch.no_grad()

@@ -130,6 +130,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -519,6 +520,13 @@ _ENCODERS = {("exp_avg", torch.uint8): encode_m8, ("exp_avg_sq", torch.uint8): e
 _ROUNDED = {("exp_avg", torch.uint8)}        # the blockwise encoders that round stochastically (take ``sr``)
 
 
+def _blockwise_encoder(key: str, dtype: torch.dtype, sr: dict | None) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
+    """x -> (codes, block scales) of state ``key`` stored as blockwise ``dtype``, with the step's stochastic-
+    rounding keys ``sr`` where that code rounds stochastically."""
+    enc, kw = _ENCODERS[key, dtype], (sr or {}) if (key, dtype) in _ROUNDED else {}
+    return lambda x: enc(x, **kw)
+
+
 def rounds_stochastically(key: str, dtype: torch.dtype) -> bool:
     """Whether state ``key`` stored as ``dtype`` is encoded with the step's stochastic-rounding key (bf16
     moments, [Note: state codecs] 1; the 8-bit exp_avg, 2)."""
@@ -541,8 +549,7 @@ def encode_moment(state: dict[str, Tensor], key: str, x: Tensor, rounding: str =
     :func:`encode_bf16_sr`: seed, step, stream, index_offset)."""
     s = state[key]
     if s.dtype in BLOCKWISE:
-        codes, scale = _ENCODERS[key, s.dtype](x, **(sr or {})) if (key, s.dtype) in _ROUNDED else \
-            _ENCODERS[key, s.dtype](x)
+        codes, scale = _blockwise_encoder(key, s.dtype, sr)(x)
         s.copy_(codes)
         state[key + "_scale"].copy_(scale)
     elif s.dtype == torch.bfloat16:
@@ -590,14 +597,13 @@ def encode_moment_keeping(state: dict[str, Tensor], key: str, x: Tensor, keep: T
     if s.dtype not in BLOCKWISE or not bool(keep.any()):
         encode_moment(state, key, x, "stochastic", sr)
         return
-    enc = _ENCODERS[key, s.dtype]
-    kw = (sr or {}) if (key, s.dtype) in _ROUNDED else {}
+    enc = _blockwise_encoder(key, s.dtype, sr)
     n, flat, k = x.numel(), x.reshape(-1), keep.reshape(-1)
     old_codes, old_scale = s.reshape(-1).view(torch.uint8).clone(), state[key + "_scale"].clone()
-    codes, scale = enc(flat, **kw)
+    codes, scale = enc(flat)
     codes = codes.reshape(-1).view(torch.uint8)
     kb = _blocks(k.float()).amax(dim=1) > 0                                    # blocks holding kept elements
-    need = enc(flat.masked_fill(k, 0.0), **kw)[1]                             # the other elements' own scale
+    need = enc(flat.masked_fill(k, 0.0))[1]                             # the other elements' own scale
     ok = kb & torch.isfinite(old_scale) & torch.isfinite(need) & (old_scale > 0)
     held = ok & (need <= old_scale)
     target = torch.where(held, old_scale, _grown_scale(key, s.dtype, old_scale, torch.maximum(need, old_scale)))
@@ -613,7 +619,7 @@ def encode_moment_keeping(state: dict[str, Tensor], key: str, x: Tensor, keep: T
         for pos in (first, other):
             y = flat.clone()
             y[pos[ok]] = _sentinel(key, s.dtype, target[ok])
-            c, sc = enc(y, **kw)
+            c, sc = enc(y)
             runs.append((c.reshape(-1).view(torch.uint8), sc))
         ok = ok & (runs[0][1] == target) & (runs[1][1] == target)              # the sentinels gave `target`
         pos_first = torch.zeros(n, dtype=torch.bool, device=x.device)

@@ -347,7 +347,8 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
 
     def _adopt_edits(self) -> None:
         """Adopt the parameters written outside the optimizer since the last step (just before the launches)."""
-        for p in _param_edits.edited(self._watch):
+        changed, self._watch = _param_edits.edited(self._watch)
+        for p in changed:
             if p in self.state:
                 _param_edits.adopt(p, self.state[p])
 

@@ -142,13 +142,11 @@ def step_coded_slice(b, lo: int, hi: int, group: dict, step: int, scale: Tensor,
                           optim_coded.group_hparams(group, adamw), grad_scale=scale, found_inf=None)
 
 
-def step_decoded_slice(b, fused_step, step: int, runs: Sequence[tuple[int, int, int]], lo: int = 0,
-                       hi: int | None = None) -> None:
-    """The mixed case of the Note over elements [lo, hi) of the slice (whole blocks; default all): decode them,
+def step_decoded_slice(b, fused_step, step: int, runs: Sequence[tuple[int, int, int]], lo: int, hi: int) -> None:
+    """The mixed case of the Note over elements [lo, hi) of the slice (whole blocks): decode them,
     ``fused_step(master, exp_avg, exp_avg_sq, params16)`` (views of [lo, hi)) runs the fp32 step on the ``runs``
     ((start, end, step) of the active pieces, relative to ``lo``), encode again keeping the codes of the pieces
     that took no step (``codecs.encode_moment_keeping``; the remainder re-split from the new master)."""
-    hi = b.spec.shard_numel if hi is None else hi
     mom = _views(b, lo, hi)
     fp32 = decode_slice(mom)
     if b.remainder is not None:
