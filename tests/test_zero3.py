@@ -7,7 +7,9 @@ per world size runs all its cases (spawning costs seconds; the models are tiny).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import math
 import os
 import sys
@@ -501,6 +503,42 @@ def _case_writes_between_steps(param_dtype, remainders):
     zopt.remove_hooks()
 
 
+def _like_torch(make, data, ref_loss, rank_loss, after_forward=lambda m, zopt, s: None, **zkw):
+    """Trains ``make()`` with torch.optim.AdamW (``ref_loss(model, batch)``) and with ZeroAdamW(stage=3) on this
+    rank's part (``rank_loss(model, batch, rank, world)``; ``after_forward(model, zopt, step)`` runs between the
+    ZeRO forward and its backward, and ``rank_loss`` may return a callable doing the forward: then it is called
+    there); checks the full model within 1e-6 of torch and returns (model, zopt), hooks still on."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = make()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    m = make()
+    zopt = zk.ZeroAdamW(m, stage=3, lr=1e-2, timeout=60, **zkw)
+    for s, batch in enumerate(data):
+        ref_loss(ref, batch).backward()
+        opt.step()
+        opt.zero_grad()
+        loss = rank_loss(m, batch, rank, world)
+        after_forward(m, zopt, s)
+        loss.backward()
+        zopt.step()
+        zopt.zero_grad()
+    full = zopt.full_model_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    return m, zopt
+
+
+def _mse_batches(world, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)) for _ in range(3)]
+
+
+def _rank_rows(t, rank, n=4):
+    return t[rank * n:(rank + 1) * n]
+
+
 class _HookedBlock(nn.Module):
     def __init__(self):
         super().__init__()
@@ -537,28 +575,10 @@ def _case_user_pre_hooks():
     """ZeroAdamW's gather runs first among a unit's forward pre-hooks (prepend, as FSDP2's): a pre-hook registered
     earlier read the 0-element placeholder (the forward silently differed: 5.9e-2 after 3 steps), and
     weight_norm's killed the process (SIGFPE in torch's _weight_norm of empty tensors). Within 1e-6 of torch."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(4 * world, 8, generator=g), torch.randn(4 * world, 4, generator=g)) for _ in range(3)]
-    torch.manual_seed(0)
-    ref = _HookedModel()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    torch.manual_seed(0)
-    m = _HookedModel()
-    zopt = zk.ZeroAdamW(m, stage=3, lr=1e-2, timeout=60)
-    for x, y in data:
-        ((ref(x) - y) ** 2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        sl = slice(rank * 4, (rank + 1) * 4)
-        ((m(x[sl]) - y[sl]) ** 2).mean().backward()
-        zopt.step()
-        zopt.zero_grad()
-    full = zopt.full_model_state_dict()
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    _, zopt = _like_torch(_HookedModel, _mse_batches(dist.get_world_size(), 1),
+                          lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(),
+                          lambda m, b, r, w: ((m(_rank_rows(b[0], r)) - _rank_rows(b[1], r)) ** 2).mean())
     zopt.remove_hooks()
-
 
 def _case_deepcopy_is_no_optimizers():
     """copy.deepcopy(model) at stage 3 (an EMA / best-model copy taken inside zopt.gathered(), mid-training): the
@@ -593,6 +613,146 @@ def _case_deepcopy_is_no_optimizers():
     zopt.remove_hooks()
 
 
+class _PenaltyBlock(nn.Module):
+    """Keeps a penalty on its own weights on itself (a regulariser, an MoE balancing loss) for the caller to add
+    to the loss: a term computed from the unit's parameters that does not flow through its output."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.l1, self.l2, self.where = nn.Linear(16, 16), nn.Linear(16, 16), where
+
+    def forward(self, x):
+        if self.where == "start":
+            self.aux = self.l2.weight.pow(2).sum()
+        h = x + self.l2(torch.tanh(self.l1(x)))
+        if self.where == "end":
+            self.aux = (self.l1.weight[:, :4] ** 2).sum()      # pow saves a view of the weight
+        return h
+
+
+class _PenaltyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([_PenaltyBlock(w) for w in ("end", "start", "end")])
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+    def loss(self, x, y):
+        return ((self(x) - y) ** 2).mean() + 1e-2 * sum(b.aux for b in self.blocks)
+
+
+def _case_terms_kept_on_units(prefetch, outer):
+    """[Note: tensors saved from a unit]: a term computed from a unit's parameters and kept on the module is
+    differentiated after the unit was freed. Its backward read the freed buffer: wrong gradients while a prefetch
+    was gathering it (prefetch=1), SIGSEGV on the 0-byte storage (prefetch=0). Within 1e-6 of torch; also under a
+    user's ``save_on_cpu()`` around the model (ZeroAdamW's hooks wrap it: on CPU it keeps the tensor itself).
+    A saved tensor read by hand outside backward while its unit is freed is refused, naming the unit."""
+    def rank_loss(m, b, r, w):
+        with torch.autograd.graph.save_on_cpu() if outer else contextlib.nullcontext():
+            return m.loss(_rank_rows(b[0], r), _rank_rows(b[1], r))
+    data = _mse_batches(dist.get_world_size(), 7)   # equal halves: the mean of the ranks' losses is the whole's
+    m, zopt = _like_torch(_PenaltyModel, data, lambda m, b: m.loss(*b), rank_loss, prefetch=prefetch)
+    if not outer:
+        rank_loss(m, data[0], dist.get_rank(), None)
+        with pytest.raises(RuntimeError, match=r"saved from the parameters of ZeRO-3 unit 'blocks.0' was read "
+                                               r"outside backward while the unit is freed"):
+            m.blocks[0].aux.grad_fn.next_functions[0][0]._saved_self
+    zopt.remove_hooks()
+
+class _HeadFromEmbedding(nn.Module):
+    """The root uses its children's parameters outside their forward: an output head computed from the
+    embedding (untied, ``F.linear(h, self.emb.weight)``) and a norm of a block's weight (a reduction of a
+    placeholder is silently 0). With the default units ``emb`` and the blocks are units of their own."""
+
+    def __init__(self, late=False):
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.blocks = nn.ModuleList([_HookedBlock() for _ in range(2)])
+        self.ln = nn.LayerNorm(16)
+        self.late = late                # the head appears only after the first forward (another code path)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        h = self.ln(h) * (1.0 + self.blocks[0].l2.weight.norm())
+        return F.linear(h, self.emb.weight) if not self.late else h.sum(-1, keepdim=True)
+
+
+def _case_parameters_used_outside_their_unit():
+    """[Note: parameters used outside their unit]: the first forward's probe gathers (and from then on keeps
+    with the root) a unit whose parameters the parent uses; was a bare shape error. Within 1e-6 of torch;
+    the blocks not used outside are still freed after their forward. A use that first appears in a later
+    forward raises torch's error with a note naming the freed units."""
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randint(0, 20, (4 * world, 6), generator=g), torch.randint(0, 20, (4 * world, 6), generator=g))
+            for _ in range(3)]
+    whole = sum(p.numel() for p in _HeadFromEmbedding().parameters()) * 4
+
+    def held(m, zopt, s):               # kept: root, emb (used outside), the last unit; freed: blocks.0, blocks.1
+        assert s > 0 or 0 < zopt.memory_report()["gathered_params"] <= whole - 2 * 16 * 16 * 4, zopt.memory_report()
+    ce = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())     # noqa: E731
+    m, zopt = _like_torch(_HeadFromEmbedding, data, lambda m, b: ce(m(b[0]), b[1]),
+                          lambda m, b, r, w: ce(m(_rank_rows(b[0], r)), _rank_rows(b[1], r)), after_forward=held)
+    zopt.remove_hooks()
+
+    torch.manual_seed(0)
+    m = _HeadFromEmbedding(late=True)
+    zopt = zk.ZeroAdamW(m, stage=3, lr=1e-2, timeout=60)
+    m(_rank_rows(data[0][0], dist.get_rank())).sum().backward()
+    m.late = False
+    with pytest.raises(RuntimeError) as e:
+        m(_rank_rows(data[0][0], dist.get_rank()))
+    assert any("when this error was raised, the parameters of units 'emb'" in n for n in e.value.__notes__), e.value
+    zopt.remove_hooks()
+
+class _Tower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.blk, self.proj = nn.Linear(8, 16), _HookedBlock(), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return F.normalize(self.proj(self.blk(self.inp(x))), dim=-1)
+
+
+class _Clip(nn.Module):
+    """Trained through a method; the model itself is never called, and the loss uses a root parameter
+    (``logit_scale``) after the towers ran (before any unit ran it is still a placeholder: README's limits)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _Tower(), _Tower()
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def loss(self, x1, x2):
+        za, zb = self.a(x1), self.b(x2)
+        logits = self.logit_scale.exp() * za @ zb.t()
+        lab = torch.arange(logits.shape[0])
+        return (F.cross_entropy(logits, lab) + F.cross_entropy(logits.t(), lab)) / 2
+
+
+def _case_units_called_without_the_root():
+    """A unit's forward entered outside the root's gathers the root too (was: ``logit_scale`` a 0-element
+    placeholder, a bare shape error). Within 1e-6 of torch."""
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(3)
+    data = []
+    for _ in range(3):
+        x1 = torch.randn(6 * world, 8, generator=g)
+        data.append((x1, x1 + 0.1 * torch.randn(6 * world, 8, generator=g)))
+    _, zopt = _like_torch(
+        _Clip, data, lambda m, b: sum(m.loss(_rank_rows(b[0], r, 6), _rank_rows(b[1], r, 6))
+                                      for r in range(world)).div(world),
+        lambda m, b, r, w: m.loss(_rank_rows(b[0], r, 6), _rank_rows(b[1], r, 6)))
+    zopt.remove_hooks()
+
 def _world_cases(rank, world, which):
     cases = Cases(rank, world)
 
@@ -620,6 +780,11 @@ def _world_cases(rank, world, which):
         cases.run("rank-dependent parameters", _case_rank_dependent_parameters)
         cases.run("user pre-hooks", _case_user_pre_hooks)
         cases.run("deepcopy is no optimizer's", _case_deepcopy_is_no_optimizers)
+        cases.run("parameters used outside their unit", _case_parameters_used_outside_their_unit)
+        cases.run("units called without the root", _case_units_called_without_the_root)
+        for prefetch, outer in ((0, False), (1, False), (1, True)):
+            cases.run(f"terms kept on units prefetch={prefetch} save_on_cpu={outer}",
+                      lambda p=prefetch, o=outer: _case_terms_kept_on_units(p, o))
     if "storage" in which:
         cases.run("storage release", _case_storage_release)
     if "mesh" in which:
@@ -898,8 +1063,19 @@ def test_default_units_split_repeated_blocks_world2(tmp_path):
     assert r["peak"] < 6 * r["block"]                 # negative control: not the whole model
 
 
+@dataclasses.dataclass
+class _OutFields:
+    h: torch.Tensor
+    aux: torch.Tensor
+
+
+class _OutBag:                          # an object no hook looks into: its unit is gathered by its saved tensors
+    def __init__(self, h, aux):
+        self.h, self.aux = h, aux
+
+
 class _NestedOut(nn.Module):
-    """A unit whose forward returns its tensors inside a tuple, a dict or a list, beside non-tensors."""
+    """A unit whose forward returns its tensors inside a tuple, a dict, a list, a dataclass or a plain object."""
 
     def __init__(self, kind):
         super().__init__()
@@ -907,11 +1083,13 @@ class _NestedOut(nn.Module):
 
     def forward(self, x):
         h, g = torch.tanh(self.a(x)), self.b(x)
-        return {"tuple": (h, (g, None), 3), "dict": {"h": h, "aux": [g, "tag"]}, "list": [h, g]}[self.kind]
+        return {"tuple": lambda: (h, (g, None), 3), "dict": lambda: {"h": h, "aux": [g, "tag"]}, "list": lambda: [h, g],
+                "dataclass": lambda: _OutFields(h, g), "object": lambda: _OutBag(h, g)}[self.kind]()
 
 
 def _unpack(o, kind):
-    return {"tuple": lambda: o[0] + o[1][0], "dict": lambda: o["h"] + o["aux"][0], "list": lambda: o[0] * o[1]}[kind]()
+    return {"tuple": lambda: o[0] + o[1][0], "dict": lambda: o["h"] + o["aux"][0], "list": lambda: o[0] * o[1],
+            "dataclass": lambda: o.h - o.aux, "object": lambda: o.h * o.aux}[kind]()
 
 
 class _NestedModel(nn.Module):
@@ -928,7 +1106,7 @@ def _nested_outputs_case(rank, world):
     xs = [torch.randn(5, 8, generator=g) for _ in range(3)]
     gathered = [None] * world
     dist.all_gather_object(gathered, xs)
-    for kind in ("tuple", "dict", "list"):
+    for kind in ("tuple", "dict", "list", "dataclass", "object"):
         torch.manual_seed(0)
         model = _NestedModel(kind)
         ref = copy.deepcopy(model)
@@ -951,5 +1129,7 @@ def _nested_outputs_case(rank, world):
 
 
 def test_units_returning_tuples_dicts_and_lists_world2():
-    """Units whose outputs nest their tensors (HF blocks return tuples, dicts) train as torch.optim.AdamW does."""
+    """Units whose outputs nest their tensors (HF blocks return tuples, dicts; others dataclasses) train as
+    torch.optim.AdamW does; so does one returning an object ZeroAdamW cannot look into (was: a shape error in
+    backward, [Note: tensors saved from a unit])."""
     run_world(_nested_outputs_case, 2, timeout=120)

@@ -81,3 +81,24 @@ def test_zero3_compiled_model_matches_eager_world2():
 
 def test_zero2_compiled_model_matches_eager_world2():
     run_world(_compile_world, 2, 2, timeout=600)
+
+
+def test_the_outside_use_probe_knows_a_compiled_caller():
+    """[Note: parameters used outside their unit]: the first forward's probe stays off under torch.compile (it would
+    recompile every region of the second forward); the runtime's hooks run in torch.compiler.disable wrappers, which
+    alone do not count."""
+    from zero_kernels.zero.unit_outside import under_torch_compile
+    seen = []
+    hook = torch.compiler.disable(lambda: seen.append(under_torch_compile()))
+
+    def f(x):
+        hook()
+        return x + 1
+
+    f(torch.ones(2))
+    torch.compile(f, backend="eager")(torch.ones(2))
+    m = torch.nn.Linear(2, 2)
+    m.register_forward_pre_hook(lambda mod, args: hook())
+    m(torch.ones(2))
+    torch.compile(m, backend="eager")(torch.ones(2))
+    assert seen == [False, True, False, True], seen

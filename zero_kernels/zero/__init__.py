@@ -27,6 +27,10 @@ One concept per file (after FSDP2's ``_fully_shard/``); the ``[Note: ...]`` bloc
     units.py        stage-3 units ([Note: stage-3 units])
     unit_bucket.py  stage-3 storage and the gather cache ([Note: stage-3 storage])
     unit_hooks.py   stage-3 forward/backward module hooks, prefetch
+    unit_hold.py    units kept for a backward that may not come ([Note: forward without backward])
+    unit_saved.py   backward gathers a unit its saved tensors need ([Note: tensors saved from a unit])
+    unit_outside.py the first forward finds parameters used outside their unit ([Note: parameters used
+                    outside their unit])
     relayout.py     flat slices <-> FSDP2's per-parameter Shard(0) chunks ([Note: dim-0 chunks])
     ../layout.py      the bucket layout as plain data ([Note: bucket], [Note: slice], [Note: padding])
     ../hparams.py     the hyper-parameter validator shared with FusedAdam ([Note: hyper-parameter rules])

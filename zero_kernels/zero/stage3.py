@@ -27,7 +27,10 @@ gradient in this backward. AccumulateGrad runs once per backward after all uses 
 so a unit called twice is reduced after its last use; with reentrant checkpointing a parameter
 can deliver twice (one nested backward per region): the second is a "late" gradient, still
 correct. One end-of-backward callback (queued on the outermost backward) completes the reducer
-and frees whatever is still gathered (parameters without gradients).
+and frees whatever is still gathered (parameters without gradients). Backward also gathers a unit
+that no output hook gathered when it reads a tensor saved from its parameters or accumulates one of
+its gradients ([Note: tensors saved from a unit] in unit_saved.py); the first forward finds
+parameters used outside their unit's forward ([Note: parameters used outside their unit]).
 
 Every rank must call the same units in the same order (as with FSDP): the all-gathers are
 collectives issued from forward hooks.

@@ -20,6 +20,8 @@ freed model is caught by the bound-parameter check).
 """
 from __future__ import annotations
 
+import dataclasses
+import sys
 from typing import Callable
 
 import torch
@@ -28,8 +30,10 @@ from torch.autograd import Variable
 
 from .grad_guard import UNWRAPPED
 from .timeouts import scoped
-from .unit_bucket import FREE, UnitBucket, cache_module, copied_placeholder, copied_placeholder_error
+from .unit_bucket import FREE, GATHERED, UnitBucket, cache_module, copied_placeholder, copied_placeholder_error
 from .unit_hold import BackwardHold
+from .unit_outside import OutsideUseProbe, freed_units_note, under_torch_compile
+from .unit_saved import SavedUnitTensors
 
 __all__ = ["UnitRuntime"]
 
@@ -44,6 +48,7 @@ class _Unit:
         self.bwd_seen = False                 # pre-backward ran in the current backward
         self.bwd_started = False              # on_unit_backward called in the current backward
         self.hooked = False                   # a forward since the last backward left a pre-backward hook
+        self.outside = False                  # parameters used outside its forward: kept like the root's
 
 
 class UnitRuntime:
@@ -78,9 +83,23 @@ class UnitRuntime:
                 # pre-hooks, as FSDP2's: a user's pre-hook (or weight_norm's) registered earlier reads the
                 # gathered parameters, not the 0-element placeholders
                 self.handles.append(u.module.register_forward_pre_hook(torch.compiler.disable(
-                    scoped(self.timeout, self.group, self._pre_forward_hook(u))), prepend=True))
+                    scoped(self.timeout, self.group, self._quiet(self._pre_forward_hook(u)))), prepend=True))
                 self.handles.append(u.module.register_forward_hook(
-                    torch.compiler.disable(self._post_forward_hook(u))))
+                    torch.compiler.disable(self._quiet(self._post_forward_hook(u)))))
+        # [Note: tensors saved from a unit] in unit_saved.py: pushed by the root's pre-hook, popped after its
+        # post-hook, also when its forward raised (always_call)
+        self.saved = SavedUnitTensors(self.units, scoped(self.timeout, self.group, self._bucket_needed))
+        self.handles.append(self.units[0].module.register_forward_hook(
+            torch.compiler.disable(self._quiet(self._root_forward_exit)), always_call=True))
+        # [Note: parameters used outside their unit] in unit_outside.py: the first forward's probe
+        self.hooks_running = 0                # > 0 while one of these hooks runs (the probe ignores them)
+        self.probe: OutsideUseProbe | None = None
+        self.probed = False
+        for u in self.units:            # a gradient reaching a parameter of a unit no hook gathered (same Note)
+            for b in u.buckets:
+                for p in b.params:
+                    if p.requires_grad:
+                        self.handles.append(p.register_hook(self._param_grad_hook(u, b)))
         # sequences (unit indices, with repeats) recorded in the first forward / backward
         self.fwd_seq: list[int] | None = None
         self.fwd_post_seq: list[int] | None = None
@@ -101,8 +120,8 @@ class UnitRuntime:
         self.num_gathers = 0
 
     # ---- gather / free ----------------------------------------------------------------------------
-    def _start(self, u: _Unit, async_op: bool = True) -> None:
-        for b in u.buckets:
+    def _start(self, u: _Unit, async_op: bool = True, buckets: list[UnitBucket] | None = None) -> None:
+        for b in u.buckets if buckets is None else buckets:
             if b.start_gather(self.rank, self.group, async_op, ("unit", u.index, b.index)):
                 self.num_gathers += 1
                 self.gathered_bytes += b.full_bytes
@@ -173,12 +192,17 @@ class UnitRuntime:
                 return None
             if u.index == 0:
                 _refuse_ddp(module)
+                self.saved.enter()
                 if self.hold.start_forward():         # held for a backward that never came
                     for x in self.units[1:]:
                         self._free_unit(x)
                 self._in_forward = True
                 self._fwd_pos = 0
                 self._rec_fwd, self._rec_post = [], []
+                for x in self.units[1:]:              # used outside their own forward: gathered with the root
+                    if x.outside:
+                        self._ensure(x)
+                self._start_probe()
             if self._in_forward:
                 self._rec_fwd.append(u.index)
                 j = self._advance(self.fwd_seq, self._fwd_pos, u.index)
@@ -187,6 +211,8 @@ class UnitRuntime:
                     self._prefetch(self.fwd_seq, j)
                     self._fwd_pos = j + 1
             else:
+                if u.index != 0:                      # a unit called outside the root's forward: the caller may
+                    self._ensure(self.units[0])       # use the root's parameters (unit_outside.py)
                 self._ensure(u)
             return None
         return hook
@@ -213,15 +239,55 @@ class UnitRuntime:
                 hold = needs_grad and module.training   # a backward is expected
                 if self.reshard_after_forward or not hold:
                     for x in self.units[1:]:          # also prefetched units that did not run
-                        if not (hold and x.index == self._last_unit):
+                        if not (hold and (x.index == self._last_unit or x.outside)):
                             self._free_unit(x)
                     if not hold:
                         self._free_unit(u)
                 self.hold.end_forward(hold)
-            elif self.reshard_after_forward and not keep_last:
+            elif self.reshard_after_forward and not keep_last and not (u.outside and self._in_forward):
                 self._free_unit(u)
             return None
         return hook
+
+    def _quiet(self, fn):
+        """``fn`` with ``hooks_running`` raised while it runs (the probe leaves the runtime's own calls alone)."""
+        def run(*args, **kwargs):
+            self.hooks_running += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.hooks_running -= 1
+        return run
+
+    def _start_probe(self) -> None:
+        """The first forward of the root runs under the probe ([Note: parameters used outside their unit])."""
+        if self.probed or self.probe is not None:
+            return
+        unit_of = {id(p): u for u in self.units[1:] for b in u.buckets for p in b.params}
+        if not unit_of or under_torch_compile():
+            self.probed = True
+            return
+
+        def found(u: _Unit) -> None:
+            u.outside = True
+            self._ensure(u)
+        self.probe = OutsideUseProbe(unit_of, lambda u: all(b.gather_state == GATHERED for b in u.buckets),
+                                     lambda: self.hooks_running > 0, scoped(self.timeout, self.group, found))
+        self.probe.__enter__()
+
+    def _root_forward_exit(self, module, args, output):
+        if module is not self.units[0].module:
+            return
+        if self.probe is not None:
+            probe, self.probe = self.probe, None
+            probe.__exit__(None, None, None)
+            self.probed = True
+        self.saved.exit()
+        err = sys.exc_info()[1]             # always_call: also run when the forward raised
+        if isinstance(err, (RuntimeError, IndexError, ValueError)):
+            freed = [u.name for u in self.units[1:] if u.buckets and any(b.gather_state == FREE for b in u.buckets)]
+            if freed:
+                err.add_note(freed_units_note(freed))
 
     # ---- backward -----------------------------------------------------------------------------------
     def ensure_final_callback(self) -> None:
@@ -248,6 +314,30 @@ class UnitRuntime:
                     if j >= 0:
                         self._prefetch(seq, j)
                         self._bwd_pos = j + 1
+            return None
+        return hook
+
+    def _bucket_needed(self, u: _Unit, b: UnitBucket) -> None:
+        """Backward reads a tensor saved from bucket ``b`` of ``u``, or accumulates a gradient into one of its
+        parameters, while ``b`` is not gathered ([Note: tensors saved from a unit]): that bucket alone is
+        gathered (the unit's others may have been freed already, at a point that depends on the rank)."""
+        if b.gather_state == GATHERED:
+            return
+        if not _in_backward():          # a saved tensor read by hand (grad_fn._saved_*): no collective here
+            raise RuntimeError(
+                f"a tensor autograd saved from the parameters of ZeRO-3 unit {u.name or '<root>'!r} was read "
+                "outside backward while the unit is freed; read it inside `with zopt.gathered():`")
+        with torch.no_grad():
+            self.ensure_final_callback()
+            self._start(u, buckets=[b])
+            b.finish_gather()
+
+    def _param_grad_hook(self, u: _Unit, b: UnitBucket):
+        need = scoped(self.timeout, self.group, self._bucket_needed)
+
+        def hook(grad):
+            if b.gather_state != GATHERED:
+                need(u, b)
             return None
         return hook
 
@@ -282,6 +372,7 @@ class UnitRuntime:
         self.peak_gathered_units = sum(1 for x in self.units if any(b.gather_state != FREE for b in x.buckets))
 
     def remove(self) -> None:
+        self.saved.exit()
         for h in self.handles:
             h.remove()
         self.handles = []
@@ -300,9 +391,11 @@ def _refuse_ddp(root: nn.Module) -> None:
 
 
 def _grad_tensors(output) -> list[Tensor]:
-    """The tensors in ``output`` (nested lists, tuples, dicts) that require grad, in order. Iterative:
-    a recursive closure would be a reference cycle holding the outputs (and their autograd graph)
-    until the garbage collector runs ([Note: forward without backward] in unit_hold.py)."""
+    """The tensors in ``output`` (nested lists, tuples, dicts, dataclass instances) that require grad, in
+    order. Iterative: a recursive closure would be a reference cycle holding the outputs (and their
+    autograd graph) until the garbage collector runs ([Note: forward without backward] in unit_hold.py).
+    Tensors in containers not listed here get no pre-backward hook; their unit is gathered when backward
+    first reads one of its saved tensors instead ([Note: tensors saved from a unit] in unit_saved.py)."""
     out, todo = [], [output]
     while todo:
         x = todo.pop()
@@ -313,4 +406,6 @@ def _grad_tensors(output) -> list[Tensor]:
             todo.extend(reversed(x))
         elif isinstance(x, dict):
             todo.extend(reversed(list(x.values())))
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            todo.extend(reversed([getattr(x, f.name, None) for f in dataclasses.fields(x)]))
     return out

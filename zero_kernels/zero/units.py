@@ -19,8 +19,10 @@ head) belongs to the ROOT unit, which is gathered at the start of forward and st
 its gradients are complete (the end of backward): both users see it. Frozen parameters
 (``requires_grad=False``) are not sharded: they stay replicated, full-size, on every rank (cast to
 ``param_dtype`` when one is given), like in stages 1-2. A parameter used *outside* the forward of
-its unit (e.g. ``F.linear(x, self.emb.weight)`` in the root while ``emb`` is a unit) must be
-registered there too (then it is tied: root unit) or the unit chosen with ``wrap``.
+its unit (e.g. ``F.linear(x, self.emb.weight)`` in the root while ``emb`` is a unit) is found by the
+first forward, and its unit is kept with the root from then on ([Note: parameters used outside their
+unit] in unit_outside.py); registering it there too (tied: root unit) or choosing the units with
+``wrap`` avoids keeping the whole unit.
 """
 from __future__ import annotations
 

@@ -1,0 +1,99 @@
+"""ZeRO-3: parameters a forward uses outside their unit's own forward, found in the first forward.
+
+[Note: parameters used outside their unit]
+A unit's parameters are gathered for its own forward and freed after it ([Note: stage-3 hooks] in
+stage3.py); outside, they are 0-element placeholders ([Note: stage-3 storage]). Models do use a
+child's parameter elsewhere: an output head computed from the embedding in the parent
+(``F.linear(h, self.emb.weight)``, untied but shared), a norm of a block's weight in the root's
+forward. With the default units (the root's children are units) the parent then read a placeholder:
+a bare shape error, or, for a reduction (``w.norm()``, ``w.sum()``), silently 0.
+
+So the first forward of the root runs under a ``TorchFunctionMode`` (:class:`OutsideUseProbe`) that
+looks at every torch call's arguments for a parameter of a non-root unit that is not gathered at
+that moment. One found is gathered on the spot (every rank runs the same forward, so the all-gather
+is the same collective on each) before the call runs, and its unit is marked ``outside``: from then
+on it is gathered with the root at the start of every forward and kept, like the root, until its
+gradients are complete (or the end of backward; freed at the end of a forward that needs no
+backward). The probe ignores the runtime's own hooks (they handle placeholders on purpose) and calls
+that read metadata only (``p.dtype``, ``p.numel()``: HF models read ``self.dtype`` in forward). It costs
+one Python call per torch call, in the first forward only; a use that first appears in a later
+forward (another code path) is not seen: the root's forward then fails, and the error gets a note
+naming the units that were freed at that point (:func:`freed_units_note`). Under ``torch.compile`` the
+probe does not run (:func:`under_torch_compile`; FSDP2 has no such probe at all).
+A unit's forward entered outside the root's forward (CLIP's ``model.encode_image(x)`` while the model
+itself is never called) gathers the root too: its parameters (``logit_scale``) are used by the caller.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["OutsideUseProbe", "freed_units_note", "under_torch_compile"]
+
+
+# Calls that read a tensor's metadata, not its values (HF's ``self.dtype`` reads ``next(parameters()).dtype``):
+# not a use. Attribute getters (``p.dtype``, ``p.shape``, ``p.data``) are ``__get__`` of their descriptor.
+_METADATA = frozenset({torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.size, torch.Tensor.dim,
+                       torch.Tensor.ndimension, torch.Tensor.element_size, torch.Tensor.is_floating_point,
+                       torch.Tensor.is_complex, torch.Tensor.data_ptr, torch.Tensor.untyped_storage,
+                       torch.Tensor.__hash__, torch.Tensor.__format__, torch.Tensor.__repr__})
+
+
+class OutsideUseProbe(TorchFunctionMode):
+    """The first forward's probe ([Note: parameters used outside their unit])."""
+
+    def __init__(self, unit_of: dict[int, Any], gathered: Callable[[Any], bool], quiet: Callable[[], bool],
+                 found: Callable[[Any], None]):
+        super().__init__()
+        self._unit_of = unit_of         # id(parameter) -> its (non-root) unit
+        self._gathered = gathered       # unit -> whether its parameters are full views now
+        self._quiet = quiet             # True while one of the runtime's own hooks runs
+        self._found = found             # gathers the unit and marks it ``outside``
+
+    def _units_needed(self, args, kwargs) -> list:
+        out = []
+        for seq in (args, kwargs.values() if kwargs else ()):
+            for x in seq:
+                for y in (x if isinstance(x, (list, tuple)) else (x,)):
+                    if isinstance(y, nn.Parameter):
+                        u = self._unit_of.get(id(y))
+                        if u is not None and u not in out and not self._gathered(u):
+                            out.append(u)
+        return out
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self._quiet() and func not in _METADATA and getattr(func, "__name__", "") != "__get__":
+            for u in self._units_needed(args, kwargs):
+                self._found(u)
+        return func(*args, **(kwargs or {}))
+
+
+def under_torch_compile() -> bool:
+    """Whether this call comes from a ``torch.compile``-d function or module (whose hooks run eagerly at graph
+    breaks): a frame of Dynamo's eval_frame.py other than the ``torch.compiler.disable`` wrapper (``_fn``) that
+    every one of the runtime's hooks runs in. The probe stays off there: Dynamo guards on the torch-function-mode
+    stack, so a probe in the first forward would recompile every region of the second."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_filename.endswith(_EVAL_FRAME) and f.f_code.co_name != "_fn":
+            return True
+        f = f.f_back
+    return False
+
+
+_EVAL_FRAME = os.path.join("torch", "_dynamo", "eval_frame.py")
+
+
+def freed_units_note(names: list[str]) -> str:
+    """The note added to an error raised in a forward while ``names`` were freed units."""
+    shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return (f"ZeroAdamW(stage=3): when this error was raised, the parameters of units {shown} were freed "
+            "(0-element placeholders outside their unit's forward). If it concerns one of them, it is used "
+            "outside its unit in a way the first forward did not show ([Note: parameters used outside their "
+            "unit]): run that code path in the first forward, or choose the units with `wrap=` so that the "
+            "parameter's module is not a unit of its own (its parameters then belong to the root).")
