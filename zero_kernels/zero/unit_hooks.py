@@ -278,12 +278,12 @@ class UnitRuntime:
     def _root_forward_exit(self, module, args, output):
         if module is not self.units[0].module:
             return
+        err = sys.exc_info()[1]             # always_call: also run when the forward raised
         if self.probe is not None:
             probe, self.probe = self.probe, None
             probe.__exit__(None, None, None)
-            self.probed = True
+            self.probed = err is None       # a forward that raised probes again next time
         self.saved.exit()
-        err = sys.exc_info()[1]             # always_call: also run when the forward raised
         if isinstance(err, (RuntimeError, IndexError, ValueError)):
             freed = [u.name for u in self.units[1:] if u.buckets and any(b.gather_state == FREE for b in u.buckets)]
             if freed:
