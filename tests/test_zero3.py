@@ -483,6 +483,11 @@ def _case_writes_between_steps(param_dtype, remainders):
     with torch.no_grad():
         ref[2].weight.copy_(w2)
     assert torch.equal(full()["2.weight"], w2)
+    with pytest.raises(ValueError, match="half-way"):          # left by an exception: nothing written back
+        with zopt.gathered(), torch.no_grad():
+            model[2].weight.mul_(3.0)
+            raise ValueError("half-way")
+    assert torch.equal(full()["2.weight"], w2)
     sd = {k: torch.full_like(v, 0.125) if k == "2.weight" else v.clone() for k, v in ref.state_dict().items()}
     with zopt.gathered():
         model.load_state_dict({k: v.to(model[0].weight.dtype) for k, v in sd.items()})

@@ -140,7 +140,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         """Collective: every parameter full-size inside the block (stage 3 gathers all units and frees
         them after, as FSDP's ``summon_full_params(writeback=True)``: parameters written inside, on every
         rank the same values, become each rank's slice when the block ends; [Note: writes to stage-3
-        parameters] in unit_bucket.py). Stages 1-2 hold full parameters anyway (in-flight all-gathers are
+        parameters] in unit_bucket.py; a block left by an exception writes nothing back, unlike FSDP's: the
+        exception may be one rank's, and the ranks' slices must not come from different writes). Stages 1-2 hold full parameters anyway (in-flight all-gathers are
         waited for; writes are adopted by the next step; with quantize_weights the other ranks' slices are
         int8-quantized copies: ``sync_exact_params()``). Its gathers and write-backs are bounded by
         ``timeout=`` (as is the block's body)."""
