@@ -758,6 +758,28 @@ def _case_units_called_without_the_root():
         lambda m, b, r, w: m.loss(_rank_rows(b[0], r, 6), _rank_rows(b[1], r, 6)))
     zopt.remove_hooks()
 
+class _FuncGradBlock(nn.Module):
+    """A forward that differentiates inside (an energy model's forces) through torch.func.grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.func.grad(lambda y: self.l1(y).tanh().sum())(x)
+
+
+def _case_torch_func_inside_forward():
+    """torch.func.grad refuses saved-tensor hooks: inside a ZeRO-3 forward its error gets a note naming the cause
+    and the way around it."""
+    m = nn.Sequential(_FuncGradBlock(), nn.Linear(8, 2))
+    zopt = zk.ZeroAdamW(m, stage=3, lr=1e-2, timeout=60)
+    with pytest.raises(RuntimeError, match="saved tensor hooks") as e:
+        m(torch.randn(3, 8, requires_grad=True))
+    assert any("torch.autograd.grad(..., create_graph=True)" in n for n in e.value.__notes__), e.value
+    zopt.remove_hooks()
+
+
 def _world_cases(rank, world, which):
     cases = Cases(rank, world)
 
@@ -787,6 +809,7 @@ def _world_cases(rank, world, which):
         cases.run("deepcopy is no optimizer's", _case_deepcopy_is_no_optimizers)
         cases.run("parameters used outside their unit", _case_parameters_used_outside_their_unit)
         cases.run("units called without the root", _case_units_called_without_the_root)
+        cases.run("torch.func inside forward", _case_torch_func_inside_forward)
         for prefetch, outer in ((0, False), (1, False), (1, True)):
             cases.run(f"terms kept on units prefetch={prefetch} save_on_cpu={outer}",
                       lambda p=prefetch, o=outer: _case_terms_kept_on_units(p, o))

@@ -284,7 +284,9 @@ class UnitRuntime:
             probe.__exit__(None, None, None)
             self.probed = err is None       # a forward that raised probes again next time
         self.saved.exit()
-        if isinstance(err, (RuntimeError, IndexError, ValueError)):
+        if isinstance(err, RuntimeError) and self.saved.refused_by(err):
+            err.add_note(self.saved.refusal_note())
+        elif isinstance(err, (RuntimeError, IndexError, ValueError)):
             freed = [u.name for u in self.units[1:] if u.buckets and any(b.gather_state == FREE for b in u.buckets)]
             if freed:
                 err.add_note(freed_units_note(freed))
