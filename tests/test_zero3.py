@@ -780,6 +780,30 @@ def _case_torch_func_inside_forward():
     zopt.remove_hooks()
 
 
+class _InplaceAfterSave(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.l1(x).exp()            # exp saves its output ...
+        h += 1.0                        # ... which this modifies: autograd's error at backward, with or without ZeRO
+        return h
+
+
+def _case_inplace_modification_still_detected():
+    """Under saved-tensor hooks autograd stops checking saved tensors' versions: the hooks check them instead
+    (was: silently wrong gradients for this bug, which plain torch reports)."""
+    ref = nn.Sequential(_InplaceAfterSave(), nn.Linear(8, 2))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        ref(torch.randn(3, 8)).sum().backward()
+    m = copy.deepcopy(ref)
+    zopt = zk.ZeroAdamW(m, stage=3, lr=1e-2, timeout=60)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        m(torch.randn(3, 8)).sum().backward()
+    zopt.remove_hooks()
+
+
 def _world_cases(rank, world, which):
     cases = Cases(rank, world)
 
@@ -810,6 +834,7 @@ def _world_cases(rank, world, which):
         cases.run("parameters used outside their unit", _case_parameters_used_outside_their_unit)
         cases.run("units called without the root", _case_units_called_without_the_root)
         cases.run("torch.func inside forward", _case_torch_func_inside_forward)
+        cases.run("in-place modification of a saved tensor", _case_inplace_modification_still_detected)
         for prefetch, outer in ((0, False), (1, False), (1, True)):
             cases.run(f"terms kept on units prefetch={prefetch} save_on_cpu={outer}",
                       lambda p=prefetch, o=outer: _case_terms_kept_on_units(p, o))

@@ -17,9 +17,14 @@ the optimizer, [Note: stage-3 storage]) and marks it with its unit and bucket; `
 backward, gathers that bucket if it is not gathered (the same collective on every rank, since every
 rank runs the same backward graph in the same order, as all stage-3 gathers assume; the bucket
 alone, as the unit's others may have been freed at a rank-dependent point) and hands back the view,
-whose storage is valid again. Everything else is packed as ``t.detach()``: returning
-the tensor itself would make a saved *output* hold its own grad_fn (a reference cycle that keeps a
-forward's graph alive when no backward follows; autograd restores the grad_fn from its metadata).
+whose storage is valid again. Tensors are packed as ``t.detach()``: returning the tensor itself
+would make a saved *output* hold its own grad_fn (a reference cycle that keeps a forward's graph
+alive when no backward follows; autograd restores the grad_fn from its metadata). Under hooks
+autograd no longer checks that a saved tensor was not modified in place before backward
+(``h = x.exp(); h += 1``: silently wrong gradients), so ``unpack`` does: the version the tensor had
+when packed must be the one it has (the detached tensor shares its version counter), else it raises
+autograd's error. The gathers do not count: they write the flat buffer, whose version counter is not
+the parameters' (``p.data = view`` keeps the Parameter's own).
 A unit gathered this way is freed like any other: when its gradients are complete, or at the end of
 backward. The same gather guards the accumulation of a parameter's gradient (a tensor hook on each
 parameter: AccumulateGrad writes into ``p``, which must not be the 0-element placeholder then): a
@@ -49,11 +54,20 @@ from torch import Tensor
 __all__ = ["SavedUnitTensors"]
 
 
-class _UnitView(NamedTuple):
-    unit: Any                                   # (the runtime's _Unit, its bucket whose flat buffer holds the
-                                                # tensor), or None
-    packed: Any                                 # the detached tensor, or what the outer pack made of it
+class _Saved(NamedTuple):
+    unit: Any                   # (the runtime's _Unit, its bucket) whose flat buffer holds the tensor, or None
+    packed: Any                 # the detached tensor, or what the outer pack made of it
+    version: int                # the tensor's version when saved (checked at unpack, as autograd would)
     outer_unpack: Callable[[Any], Tensor] | None    # the outer pair's unpack, or None
+
+
+def _modified(t: Tensor, saved: int) -> RuntimeError:
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {saved} instead. (Found by "
+        "ZeroAdamW(stage=3)'s saved-tensor hooks, which check versions as autograd does without hooks: "
+        "[Note: tensors saved from a unit].) Hint: the operation that modified it in place (x += ..., "
+        "x.relu_(), ...) must work out of place.")
 
 
 def _storage_key(t: Tensor) -> int | None:
@@ -106,13 +120,15 @@ class SavedUnitTensors:
         # by its unpack (the next forward), so the pair is kept with it
         u = self._unit_of.get(_storage_key(t))
         if self._outer is None:
-            packed = t.detach()
-            return packed if u is None else _UnitView(u, packed, None)
-        return _UnitView(u, self._outer[0](t), self._outer[1])
+            packed = t.detach()                 # shares t's version counter
+            return _Saved(u, packed, packed._version, None)
+        return _Saved(u, self._outer[0](t), -1, self._outer[1])
 
-    def _unpack(self, x):
-        if type(x) is not _UnitView:
-            return x
+    def _unpack(self, x: _Saved):
         if x.unit is not None:
             self._need(*x.unit)
-        return x.packed if x.outer_unpack is None else x.outer_unpack(x.packed)
+        if x.outer_unpack is not None:
+            return x.outer_unpack(x.packed)
+        if x.packed._version != x.version:
+            raise _modified(x.packed, x.version)
+        return x.packed
