@@ -23,8 +23,10 @@ alive when no backward follows; autograd restores the grad_fn from its metadata)
 autograd no longer checks that a saved tensor was not modified in place before backward
 (``h = x.exp(); h += 1``: silently wrong gradients), so ``unpack`` does: the version the tensor had
 when packed must be the one it has (the detached tensor shares its version counter), else it raises
-autograd's error. The gathers do not count: they write the flat buffer, whose version counter is not
-the parameters' (``p.data = view`` keeps the Parameter's own).
+autograd's error. Not for views of a unit's buffer: a gather writes the flat buffer, and an alias
+sharing its version counter (what ``p.data`` gives, and what a compiled region saves of a parameter)
+moves with every gather; parameters are written between forward and backward only inside
+``zopt.gathered()``.
 A unit gathered this way is freed like any other: when its gradients are complete, or at the end of
 backward. The same gather guards the accumulation of a parameter's gradient (a tensor hook on each
 parameter: AccumulateGrad writes into ``p``, which must not be the 0-element placeholder then): a
@@ -129,6 +131,6 @@ class SavedUnitTensors:
             self._need(*x.unit)
         if x.outer_unpack is not None:
             return x.outer_unpack(x.packed)
-        if x.packed._version != x.version:
+        if x.unit is None and x.packed._version != x.version:
             raise _modified(x.packed, x.version)
         return x.packed
