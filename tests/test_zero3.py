@@ -508,11 +508,11 @@ def _case_writes_between_steps(param_dtype, remainders):
     zopt.remove_hooks()
 
 
-def _like_torch(make, data, ref_loss, rank_loss, after_forward=lambda m, zopt, s: None, **zkw):
+def _like_torch(make, data, ref_loss, rank_loss, before_forward=None, after_forward=None, **zkw):
     """Trains ``make()`` with torch.optim.AdamW (``ref_loss(model, batch)``) and with ZeroAdamW(stage=3) on this
-    rank's part (``rank_loss(model, batch, rank, world)``; ``after_forward(model, zopt, step)`` runs between the
-    ZeRO forward and its backward, and ``rank_loss`` may return a callable doing the forward: then it is called
-    there); checks the full model within 1e-6 of torch and returns (model, zopt), hooks still on."""
+    rank's part (``rank_loss(model, batch, rank, world)``; ``before_forward(model, zopt, step)`` and
+    ``after_forward(model, zopt, step)`` run around that ZeRO forward); checks the full model within 1e-6 of
+    torch and returns (model, zopt), hooks still on."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     ref = make()
@@ -524,8 +524,11 @@ def _like_torch(make, data, ref_loss, rank_loss, after_forward=lambda m, zopt, s
         ref_loss(ref, batch).backward()
         opt.step()
         opt.zero_grad()
+        if before_forward:
+            before_forward(m, zopt, s)
         loss = rank_loss(m, batch, rank, world)
-        after_forward(m, zopt, s)
+        if after_forward:
+            after_forward(m, zopt, s)
         loss.backward()
         zopt.step()
         zopt.zero_grad()
@@ -708,6 +711,15 @@ def _case_parameters_used_outside_their_unit():
                           lambda m, b, r, w: ce(m(_rank_rows(b[0], r)), _rank_rows(b[1], r)), after_forward=held)
     zopt.remove_hooks()
 
+    def evaluated_first(m, zopt, s):    # the first forward ran inside zopt.gathered(): the probe waits for the next
+        if s == 0:
+            with zopt.gathered(), torch.no_grad():
+                m(data[0][0])
+    first = _like_torch(_HeadFromEmbedding, data, lambda m, b: ce(m(b[0]), b[1]),
+                        lambda m, b, r, w: ce(m(_rank_rows(b[0], r)), _rank_rows(b[1], r)),
+                        before_forward=evaluated_first)
+    first[1].remove_hooks()
+
     torch.manual_seed(0)
     m = _HeadFromEmbedding(late=True)
     zopt = zk.ZeroAdamW(m, stage=3, lr=1e-2, timeout=60)
@@ -804,6 +816,24 @@ def _case_inplace_modification_still_detected():
     zopt.remove_hooks()
 
 
+def _gradient_penalty(m, x, y):
+    """WGAN-GP / R1 style: the loss plus the squared input gradient, through a create_graph=True backward."""
+    x = x.clone().requires_grad_(True)
+    out = m(x)
+    gx, = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    return ((out - y) ** 2).mean() + 0.1 * gx.pow(2).sum(1).mean()
+
+
+def _case_gradient_penalty():
+    """A backward with create_graph=True builds nodes that saved views of the gathered parameters (no saved-tensor
+    hooks run in backward): its end keeps the units gathered for the second backward (was: "setStorage ... out of
+    bounds for storage of size 0" there). Within 1e-6 of torch."""
+    _, zopt = _like_torch(_PenaltyModel, _mse_batches(dist.get_world_size(), 11), lambda m, b: _gradient_penalty(m, *b),
+                          lambda m, b, r, w: _gradient_penalty(m, _rank_rows(b[0], r), _rank_rows(b[1], r)))
+    assert zopt.memory_report()["gathered_params"] == 0       # the second backward (and step) gave them back
+    zopt.remove_hooks()
+
+
 def _world_cases(rank, world, which):
     cases = Cases(rank, world)
 
@@ -835,6 +865,7 @@ def _world_cases(rank, world, which):
         cases.run("units called without the root", _case_units_called_without_the_root)
         cases.run("torch.func inside forward", _case_torch_func_inside_forward)
         cases.run("in-place modification of a saved tensor", _case_inplace_modification_still_detected)
+        cases.run("gradient penalty", _case_gradient_penalty)
         for prefetch, outer in ((0, False), (1, False), (1, True)):
             cases.run(f"terms kept on units prefetch={prefetch} save_on_cpu={outer}",
                       lambda p=prefetch, o=outer: _case_terms_kept_on_units(p, o))

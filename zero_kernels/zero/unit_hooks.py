@@ -261,8 +261,8 @@ class UnitRuntime:
 
     def _start_probe(self) -> None:
         """The first forward of the root runs under the probe ([Note: parameters used outside their unit])."""
-        if self.probed or self.probe is not None:
-            return
+        if self.probed or self.probe is not None or self.pinned:     # inside zopt.gathered() every unit is
+            return                                                      # gathered: nothing to find there
         unit_of = {id(p): u for u in self.units[1:] for b in u.buckets for p in b.params}
         if not unit_of or under_torch_compile():
             self.probed = True
@@ -350,6 +350,10 @@ class UnitRuntime:
             self.on_unit_backward(u.index)
 
     def _post_backward(self) -> None:
+        # a backward with create_graph=True (a gradient penalty: autograd.grad(..., create_graph=True)) built nodes
+        # that saved views of the gathered parameters; no saved-tensor hooks run inside backward, so the units stay
+        # gathered for the backward of that graph, which frees them at its end (or the next forward or step())
+        keep = torch.is_grad_enabled()
         with torch.no_grad():
             self.end_backward()
             self._final_queued = False
@@ -359,7 +363,10 @@ class UnitRuntime:
                 u.bwd_seen = u.bwd_started = u.hooked = False
                 for b in u.buckets:
                     b.s3_arrived.clear()
-            self.free_all()
+            if keep:
+                self.hold.clear()
+            else:
+                self.free_all()
 
     def gather_all(self) -> None:
         """Gather every unit (collective: all-gathers issued for all, then waited)."""
