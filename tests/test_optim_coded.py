@@ -247,6 +247,26 @@ def test_amsgrad_set_on_a_group_later_raises_before_any_change():
     assert float(o.state[ps[0]]["step"]) == 2.0
 
 
+@pytest.mark.parametrize("to", [F32, torch.float16])
+def test_a_cast_away_from_bf16_with_remainders_says_so(to):
+    """With store_param_remainders a parameter cast after a step (model.float(), a head kept in fp32) was refused by
+    the layout check with a bare ValueError naming neither the parameter nor a way on; now step()'s message
+    for a cast model, before any change."""
+    m = torch.nn.Sequential(torch.nn.Linear(8, 300), torch.nn.Linear(300, 2)).to(BF)
+    o = zk.FusedAdamW(m.parameters(), lr=1e-2, backend="cpu", store_param_remainders=True)
+    m(torch.randn(4, 8, dtype=BF)).float().sum().backward()
+    o.step()
+    o.zero_grad()
+    m[1].to(to)
+    before = [p.detach().clone() for p in m.parameters()]
+    m[1](m[0](torch.randn(4, 8, dtype=BF)).to(to)).float().sum().backward()
+    with pytest.raises(RuntimeError, match=r"\['params'\]\[2\] is torch\.float(32|16) now, but its coded state was made "
+                                           r"for a bfloat16 parameter.*cast it back, or make a new optimizer"):
+        o.step()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, m.parameters()))
+    assert all(float(o.state[p]["step"]) == 1.0 for p in m.parameters())
+
+
 @pytest.mark.parametrize("cast", [(F32, BF), (BF, F32)], ids=["fp32->bf16", "bf16->fp32"])
 def test_model_cast_after_steps_says_so_and_the_rebuild_it_names_works(cast):
     """Coded states are laid out for the parameter's dtype (a 16-bit parameter has a master): a model cast after

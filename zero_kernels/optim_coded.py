@@ -104,18 +104,25 @@ def new_state(p: Tensor, fmt: StateFormat) -> dict[str, Tensor]:
 
 def state_problem(where: str, state: dict[str, Any], p: Tensor, fmt: StateFormat) -> str | None:
     """Why ``state`` is not the coded state ``fmt`` gives ``p`` (keys, dtypes, shapes, devices), or None."""
-    want = codecs.state_layout(tuple(p.shape), p.dtype, exp_avg_dtype=fmt.exp_avg_dtype,
-                               exp_avg_sq_dtype=fmt.exp_avg_sq_dtype, store_param_remainders=fmt.store_param_remainders,
-                               min_8bit_size=fmt.min_8bit_size)
-    if state.keys() != want.keys():
-        for dt, name in ((torch.float32, "float32"), (torch.bfloat16, "16-bit")):   # 16-bit: with its master
-            was = codecs.state_layout(tuple(p.shape), dt, exp_avg_dtype=fmt.exp_avg_dtype,
-                                      exp_avg_sq_dtype=fmt.exp_avg_sq_dtype, store_param_remainders=False,
-                                      min_8bit_size=fmt.min_8bit_size)
-            if state.keys() == was.keys():
+    def layout(dtype, remainders):
+        try:
+            return codecs.state_layout(tuple(p.shape), dtype, exp_avg_dtype=fmt.exp_avg_dtype,
+                                       exp_avg_sq_dtype=fmt.exp_avg_sq_dtype, store_param_remainders=remainders,
+                                       min_8bit_size=fmt.min_8bit_size)
+        except ValueError:              # remainders of a parameter that is not bf16 (any more)
+            return None
+    want = layout(p.dtype, fmt.store_param_remainders)
+    if want is None or state.keys() != want.keys():
+        for dt, name, rem in ((torch.float32, "float32", False), (torch.bfloat16, "16-bit", False),  # 16-bit: with
+                              (torch.bfloat16, "bfloat16", fmt.store_param_remainders)):         # its master
+            was = layout(dt, rem)
+            if was is not None and state.keys() == was.keys():
                 return (f"{where} is {p.dtype} now, but its coded state was made for a {name} parameter (the model "
                         f"was cast after the optimizer's first step?): cast it back, or make a new optimizer over "
                         "the cast model and load this one's state_dict() into it (the states convert)")
+        if want is None:
+            return (f"{where} is {p.dtype}: store_param_remainders=True keeps bfloat16 parameters only; cast it to "
+                    "bfloat16, or make a new optimizer without remainders and load this one's state_dict() into it")
         return f"{where}: state keys {sorted(state)}, expected {sorted(want)} for {fmt}"
     for k, (dt, shape) in want.items():
         t = state[k]
