@@ -12,6 +12,8 @@
 //
 // Arguments are checked by the front end (check_coded_adam_args in csrc/adam_front.cpp).
 
+#include <cmath>
+#include <limits>
 #include <type_traits>
 
 #include "fused_adam.h"
@@ -42,6 +44,7 @@ struct ZkCJob {
 
 struct ZkCHyper {
   float gscale, wd, omb1, omb2, b2, eps;
+  float m_bound;  // reference.m_bound(beta1, beta2) rounded to fp32 (applied to an 8-bit exp_avg only)
   bool maximize;
 };
 
@@ -170,6 +173,10 @@ void fused_adam_coded_cpu_launch(ZK_CODED_ADAM_ARGS) {
   c.h.omb2 = static_cast<float>(1.0 - beta2);
   c.h.b2 = static_cast<float>(beta2);
   c.h.eps = static_cast<float>(eps);
+  // reference.m_bound, the same double operations ([Note: the bound on 8-bit m] in zero_kernels/codecs.py)
+  c.h.m_bound = (0.0 <= beta1 && beta1 * beta1 < beta2 && beta2 < 1.0)
+                    ? static_cast<float>((1.0 - beta1) / std::sqrt((1.0 - beta2) * (1.0 - beta1 * beta1 / beta2)))
+                    : std::numeric_limits<float>::infinity();
   const bool l2 = !adamw && weight_decay != 0.0;
   const int gt = zk_code(grads[0].scalar_type());
   const bool rem = masters[0].scalar_type() == at::kShort;

@@ -232,9 +232,10 @@ ZK_TGT static inline void zk_c_split1(Q::F x, uint16_t* hi_out, int16_t* rem_out
 // and NaN included), so the multiply changes no bit. bc2 rounds to exactly 1.0f once beta2^t < 2^-24: after
 // ~16,600 steps with beta2 = 0.999, ~330 with 0.95, that is, for nearly all of a training run.
 struct ZkCConst {
-  V::F gscale, wd, decay, omb1, omb2, b2, eps, bc2, ss, inv_bc2;
+  V::F gscale, wd, decay, omb1, omb2, b2, eps, bc2, ss, inv_bc2, m_bound;
   Q::I neg;
   bool bc2_pow2;  // bc2 a normal power of two: sqrt(v) * inv_bc2 instead of sqrt(v) / bc2
+  bool bound_m;   // an 8-bit exp_avg: m capped at m_bound * sqrt(v) ([Note: the bound on 8-bit m])
 };
 
 ZK_TGT static inline bool zk_pow2_normal(float x) {
@@ -246,7 +247,8 @@ ZK_TGT static inline ZkCConst zk_c_const(const ZkCJob& j, const ZkCHyper& h) {
   const bool pow2 = zk_pow2_normal(j.bc2);
   return {V::set1(h.gscale), V::set1(h.wd), V::set1(j.decay), V::set1(h.omb1), V::set1(h.omb2),
           V::set1(h.b2), V::set1(h.eps), V::set1(j.bc2), V::set1(j.step_size),
-          V::set1(pow2 ? 1.0f / j.bc2 : 1.0f), Q::set1i(h.maximize ? 0x80000000u : 0u), pow2};
+          V::set1(pow2 ? 1.0f / j.bc2 : 1.0f), V::set1(h.m_bound), Q::set1i(h.maximize ? 0x80000000u : 0u), pow2,
+          j.m_kind == ZK_MK_U8};
 }
 
 template <int GT>
@@ -269,10 +271,18 @@ ZK_TGT static inline V::F zk_c_grad1(const ZkCConst& k, V::F gv, V::F pv) {
   if (L2) gv = V::add(gv, V::mul(k.wd, pv));
   return gv;
 }
+// reference.bounded_m: copysign(b, m) where |m| > b (ordered: a NaN m or b leaves m), else m; b >= +0 there.
+ZK_TGT static inline V::F zk_c_bounded(V::F mv, V::F b) {
+  const Q::I mb = Q::bi(mv);
+  const Q::F am = Q::bf(Q::andi(mb, Q::set1i(0x7FFFFFFFu)));
+  return Q::self(Q::gtf(am, b), Q::bf(Q::ori(Q::bi(b), Q::andi(mb, Q::set1i(0x80000000u)))), mv);
+}
 ZK_TGT static inline V::F zk_c_moments1(const ZkCConst& k, V::F gv, V::F& mv, V::F& vv) {
   mv = V::add(mv, V::mul(k.omb1, V::sub(gv, mv)));
   vv = V::add(V::mul(k.b2, vv), V::mul(V::mul(k.omb2, gv), gv));
-  return V::sqrt(vv);
+  const V::F sq = V::sqrt(vv);
+  if (k.bound_m) mv = zk_c_bounded(mv, V::mul(k.m_bound, sq));
+  return sq;
 }
 ZK_TGT static inline V::F zk_c_param1(const ZkCConst& k, V::F pv, V::F mv, V::F sq) {
   pv = V::mul(pv, k.decay);

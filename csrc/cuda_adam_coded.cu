@@ -20,6 +20,8 @@ ZK_CUDA_ADAM_CODED_INSTANTIATE_ALL()
 #include <c10/cuda/CUDAStream.h>
 
 #include <climits>
+#include <cmath>
+#include <limits>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -129,6 +131,10 @@ void fused_adam_coded_cuda_launch(ZK_CODED_ADAM_ARGS) {
   a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   a.eps = static_cast<float>(eps);
   a.weight_decay = static_cast<float>(weight_decay);
+  // reference.m_bound, the same double operations ([Note: the bound on 8-bit m] in zero_kernels/codecs.py)
+  a.m_bound = (0.0 <= beta1 && beta1 * beta1 < beta2 && beta2 < 1.0)
+                  ? static_cast<float>((1.0 - beta1) / std::sqrt((1.0 - beta2) * (1.0 - beta1 * beta1 / beta2)))
+                  : std::numeric_limits<float>::infinity();
   a.l2 = !adamw && weight_decay != 0.0;
   a.adamw = adamw;
   a.maximize = maximize;

@@ -412,7 +412,8 @@ fused_adam_coded_kernel(const __grid_constant__ CodedTensorTable table,  // the 
 #pragma unroll
   for (int j = 0; j < kLaneElems; ++j) {
     float unused = 0.f;
-    const float root = zk::cuda_adam::adam_update<false>(p[j], g[j], m[j], v[j], unused, c, gmul, s.adam);
+    const float root = zk::cuda_adam::adam_update<false, kM == kMomU8>(p[j], g[j], m[j], v[j], unused, c, gmul,
+                                                                       s.adam);
     // A uint8 exp_avg_sq is coded from sqrt(v_new): from here on v holds the root the denominator took
     // (codecs.encode_v8: the same IEEE sqrt).
     if constexpr (kV == kMomU8) v[j] = root;

@@ -90,6 +90,7 @@ struct AdamScalars {
   float one_minus_beta2;
   float eps;
   float weight_decay;       // L2 coefficient, used iff l2
+  float m_bound;            // reference.m_bound(beta1, beta2): the coded kernel's 8-bit exp_avg cap (kBoundM)
   bool l2;                  // !adamw && weight_decay != 0 (reference: g = g + weight_decay * p)
   bool adamw;               // p = p * decay (decay = 1 - lr * weight_decay, from coeffs)
   bool maximize;
@@ -196,7 +197,10 @@ __device__ __forceinline__ float neg(float a) { return __uint_as_float(__float_a
 
 // Returns the square root the denominator took (sqrt(v), sqrt(vmax) with amsgrad): the coded kernel's
 // 8-bit exp_avg_sq code is taken of sqrt(v) ([Note: the coded CUDA kernel]) and reuses it.
-template <bool kAmsgrad>
+// kBoundM (the coded kernel with an 8-bit exp_avg): m capped at m_bound * sqrt(v) before the parameter update,
+// reference.bounded_m ([Note: the bound on 8-bit m] in zero_kernels/codecs.py; an ordered compare: a NaN m or
+// bound leaves m).
+template <bool kAmsgrad, bool kBoundM = false>
 __device__ __forceinline__ float adam_update(float& p, float g, float& m, float& v, float& vmax,
                                              const Coef& c, float gmul, const AdamScalars& s) {
   // gmul = grad_scale, negated for maximize: RNE is sign-symmetric, so g * (-gs) == -(g * gs)
@@ -215,6 +219,10 @@ __device__ __forceinline__ float adam_update(float& p, float g, float& m, float&
     vd = vmax;
   }
   const float root = sqrt_rn(vd);
+  if constexpr (kBoundM) {
+    const float b = mul_rn(s.m_bound, root);
+    m = fabsf(m) > b ? copysignf(b, m) : m;
+  }
   const float denom = add_rn(div_rn(root, c.bc2_sqrt), s.eps);
   p = sub_rn(p, div_rn(mul_rn(c.step_size, m), denom));
   return root;

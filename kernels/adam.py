@@ -57,13 +57,14 @@ _MASTER, _GRAD, _EXP_AVG, _EXP_AVG_SQ, _MAX_SQ, _P16 = range(6)
 
 @triton.jit
 def adam_update(p, g, m, v, vmax, step_size, bc2_sqrt, decay, grad_scale,
-                 one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+                 one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, m_bound,
                  HAS_GRAD_SCALE: tl.constexpr, ADAMW: tl.constexpr, AMSGRAD: tl.constexpr,
-                 MAXIMIZE: tl.constexpr):
+                 MAXIMIZE: tl.constexpr, BOUND_M: tl.constexpr):
     """One element's Adam/AdamW update in fp32: the operations of reference.fused_adam_ref, in
     its order, each rounded once ([Note: interpreter bits are GPU bits] in _multi_tensor.py).
     Returns (p, m, v, vmax, root): root = sqrt(v) (sqrt(vmax) under AMSGRAD), the denominator's
-    square root, which the coded kernel reuses to encode an 8-bit exp_avg_sq."""
+    square root, which the coded kernel reuses to encode an 8-bit exp_avg_sq. BOUND_M (the coded step of
+    an 8-bit exp_avg): m capped at m_bound * root, reference.bounded_m ([Note: the bound on 8-bit m])."""
     if HAS_GRAD_SCALE:
         g = g * grad_scale
     if MAXIMIZE:
@@ -80,6 +81,9 @@ def adam_update(p, g, m, v, vmax, step_size, bc2_sqrt, decay, grad_scale,
         root = tl.sqrt_rn(vmax)
     else:
         root = tl.sqrt_rn(v)
+    if BOUND_M:
+        bound = m_bound * root
+        m = tl.where(tl.abs(m) > bound, tl.where(m < 0.0, -bound, bound), m)
     denom = tl.div_rn(root, bc2_sqrt) + eps
     p = p - tl.div_rn(step_size * m, denom)
     return p, m, v, vmax, root
@@ -106,8 +110,8 @@ def _adam_block(master_ptr, grad_ptr, m_ptr, v_ptr, vmax_ptr, p16_ptr, offs, mas
         v = tl.load(v_ptr + offs)
         vmax = tl.load(vmax_ptr + offs) if AMSGRAD else v
     p, m, v, vmax, _ = adam_update(p, g, m, v, vmax, step_size, bc2_sqrt, decay, grad_scale,
-                                    one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
-                                    HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE)
+                                    one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, 0.0,
+                                    HAS_GRAD_SCALE, ADAMW, AMSGRAD, MAXIMIZE, False)
     if P16_KIND == 1:
         p16 = round_bf16_bits(p)
     else:

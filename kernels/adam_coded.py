@@ -44,7 +44,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .._coded_host import CodedEntry, group_arrays, prepare
-from ..reference import moment_coeffs
+from ..reference import m_bound, moment_coeffs
 from ._codecs import (F8_MAX, QBLOCK, ROWS_AXIS, block_absmax, decode_bf16, decode_f8, decode_m8, decode_v8,
                       encode_bf16_sr, encode_f8, encode_m8, encode_v8, join_remainder, ld, per_row, scaled,
                       split_remainder, sr_key, st)
@@ -216,7 +216,7 @@ def _tile_load(row, offs, mask, rows, numel, GRAD_DTYPE: tl.constexpr, MASTER_KI
 
 @triton.jit
 def _tile_step(row, a, b, g, m, ms, v, vs, offs, mask, rows, numel, step_size, bc2_sqrt, decay, grad_scale,
-               m_key, v_key, index_offset, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+               m_key, v_key, index_offset, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, m_bound,
                P16_KIND: tl.constexpr, MASTER_KIND: tl.constexpr, M_KIND: tl.constexpr, V_KIND: tl.constexpr,
                MASKED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, ADAMW: tl.constexpr, MAXIMIZE: tl.constexpr,
                ALIGNED: tl.constexpr, DECODED: tl.constexpr):
@@ -229,8 +229,8 @@ def _tile_step(row, a, b, g, m, ms, v, vs, offs, mask, rows, numel, step_size, b
         m = _decode_moment(m, ms, M_KIND, False)
         v = _decode_moment(v, vs, V_KIND, True)
     p, m, v, _, root = adam_update(p, g, m, v, v, step_size, bc2_sqrt, decay, grad_scale, one_minus_beta1,
-                                   beta2, one_minus_beta2, eps, weight_decay, HAS_GRAD_SCALE, ADAMW, False,
-                                   MAXIMIZE)
+                                   beta2, one_minus_beta2, eps, weight_decay, m_bound, HAS_GRAD_SCALE, ADAMW, False,
+                                   MAXIMIZE, M_KIND == 2)
     a_master, a_p16 = tl.load(row + 0), tl.load(row + 6)
     # The parameter first, its registers free before the moments' row reductions (8-bit: -8 registers); not
     # next to an fp8 moment, where triton 3.6's ptxas then spills a few bytes.
@@ -247,7 +247,7 @@ def _tile_step(row, a, b, g, m, ms, v, vs, offs, mask, rows, numel, step_size, b
 
 @triton.jit
 def _coded_tile(row, offs, rows, numel, step_size, bc2_sqrt, decay, grad_scale, m_key, v_key, index_offset,
-                one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay,
+                one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, m_bound,
                 GRAD_DTYPE: tl.constexpr, P16_KIND: tl.constexpr, MASTER_KIND: tl.constexpr,
                 M_KIND: tl.constexpr, V_KIND: tl.constexpr, MASKED: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr,
                 ADAMW: tl.constexpr, MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr):
@@ -258,8 +258,8 @@ def _coded_tile(row, offs, rows, numel, step_size, bc2_sqrt, decay, grad_scale, 
     a, b, g, m, ms, v, vs = _tile_load(row, offs, mask, rows, numel, GRAD_DTYPE, MASTER_KIND, M_KIND, V_KIND,
                                        MASKED, ALIGNED, True)
     _tile_step(row, a, b, g, m, ms, v, vs, offs, mask, rows, numel, step_size, bc2_sqrt, decay, grad_scale,
-               m_key, v_key, index_offset, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, P16_KIND,
-               MASTER_KIND, M_KIND, V_KIND, MASKED, HAS_GRAD_SCALE, ADAMW, MAXIMIZE, ALIGNED, True)
+               m_key, v_key, index_offset, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, m_bound,
+               P16_KIND, MASTER_KIND, M_KIND, V_KIND, MASKED, HAS_GRAD_SCALE, ADAMW, MAXIMIZE, ALIGNED, True)
 
 
 @triton.jit
@@ -304,6 +304,7 @@ def fused_adam_coded_kernel(
     one_minus_beta2,  # fp32 scalar: 1 - beta2 (computed in double on the host)
     eps,              # fp32 scalar
     weight_decay,     # fp32 scalar: L2 coefficient when not ADAMW
+    m_bound,          # fp32 scalar: reference.m_bound(beta1, beta2) (double on the host); used iff M_KIND == 2
     GRAD_DTYPE: tl.constexpr,      # tl.float32 / tl.bfloat16 / tl.float16
     P16_KIND: tl.constexpr,        # 0: none, 1: bf16 (RNE bits, or the remainder's high half), 2: fp16
     MASTER_KIND: tl.constexpr,     # 0: fp32 master, 1: bf16 parameter + int16 remainder
@@ -347,14 +348,14 @@ def fused_adam_coded_kernel(
                                  True, False)
             _tile_step(row, a, b, g, m, ms, v, vs, cur_offs, None, cur_rows, numel, step_size, bc2_sqrt, decay,
                        grad_scale, m_key, v_key, index_offset, one_minus_beta1, beta2, one_minus_beta2, eps,
-                       weight_decay, P16_KIND, MASTER_KIND, M_KIND, V_KIND, False, HAS_GRAD_SCALE, ADAMW,
+                       weight_decay, m_bound, P16_KIND, MASTER_KIND, M_KIND, V_KIND, False, HAS_GRAD_SCALE, ADAMW,
                        MAXIMIZE, True, False)
         return
     for i in range(N_ITERS):
         block_start = start + i * BLOCK_SIZE
         rows = _tile_rows(block_start, ROWS)
         args = (rows, numel, step_size, bc2_sqrt, decay, grad_scale, m_key, v_key, index_offset,
-                one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay)
+                one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, m_bound)
         if FULL:
             _coded_tile(row, _tile_offsets(block_start, ROWS, VEC, True), *args, GRAD_DTYPE, P16_KIND,
                         MASTER_KIND, M_KIND, V_KIND, False, HAS_GRAD_SCALE, ADAMW, MAXIMIZE, True)
@@ -444,7 +445,7 @@ def _launch(key: tuple, rows: list[int], numels: list[int], c: Tensor, k: Tensor
             fused_adam_coded_kernel[(chunk_tensor.numel(),)](
                 table, numels_t, c, k, chunk_tensor, chunk_start, gs, fi,
                 one_minus_beta1, float(beta2), one_minus_beta2, float(eps), float(weight_decay),
-                GRAD_DTYPE=_TL[grad_dtype], P16_KIND=_P16[p16_dtype], MASTER_KIND=master_kind,
+                m_bound(beta1, beta2), GRAD_DTYPE=_TL[grad_dtype], P16_KIND=_P16[p16_dtype], MASTER_KIND=master_kind,
                 M_KIND=_KIND[m_dtype], V_KIND=_KIND[v_dtype], HAS_GRAD_SCALE=grad_scale is not None,
                 HAS_FOUND_INF=found_inf is not None, ADAMW=bool(adamw), MAXIMIZE=bool(maximize),
                 BLOCK_SIZE=BLOCK, N_ITERS=ITERS, FULL=full, PIPELINE=full and PIPELINE_FULL,
@@ -461,7 +462,7 @@ def _launch(key: tuple, rows: list[int], numels: list[int], c: Tensor, k: Tensor
 def _codegen_cases() -> list:
     sig = dict(ptr_table="*i64", numels="*i64", coeffs="*fp32", keys="*i64", chunk_tensor="*i32",
                chunk_start="*i64", grad_scale_ptr="*fp32", found_inf_ptr="*fp32", one_minus_beta1="fp32",
-               beta2="fp32", one_minus_beta2="fp32", eps="fp32", weight_decay="fp32")
+               beta2="fp32", one_minus_beta2="fp32", eps="fp32", weight_decay="fp32", m_bound="fp32")
     names = ["fp32", "bf16", "u8", "f8"]
     layouts = ((tl.bfloat16, 1, 1, 2, 2), (tl.bfloat16, 1, 1, 0, 0), (tl.bfloat16, 1, 0, 1, 1),
                (tl.float32, 0, 0, 3, 3), (tl.bfloat16, 1, 1, 1, 3), (tl.float16, 2, 0, 2, 1),

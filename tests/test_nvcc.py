@@ -278,8 +278,8 @@ def test_coded_kernel_ptx_has_arithmetic_8bit_codes(arch, compiles):
     """The 8-bit moment codes are arithmetic (codecs.encode_m8 / encode_v8), with the right code for each
     moment: exp_avg's rounds half to even into an integer (``cvt.rni.s32.f32``), exp_avg_sq's is a log code on
     the bits of the denominator's own sqrt(v) (an arithmetic shift ``shr.s32`` by 19, no second square root): a
-    kernel with a uint8 exp_avg has the rounding, one without has none; a uint8 exp_avg_sq has the shift and as
-    many ``sqrt.rn.f32`` as the fp32 one. And no kernel gathers from a code book: its only scalar fp32 global
+    kernel with a uint8 exp_avg has the rounding, one without has none; a uint8 exp_avg_sq has the shift and no
+    more ``sqrt.rn.f32`` than the fp32 one. And no kernel gathers from a code book: its only scalar fp32 global
     loads are the 3 coefficients, the grad scale and one block scale per blockwise moment (a table decode adds
     one per element, a midpoint search 8 per element)."""
     name = "cuda_adam_coded_kernel.cuh"
@@ -294,7 +294,10 @@ def test_coded_kernel_ptx_has_arithmetic_8bit_codes(arch, compiles):
         sqrts = count(body)
         f32_loads = len(_SCALAR_F32_LOAD.findall(body))
         most = 4 + (m in (_U8, _F8)) + (v in (_U8, _F8))
-        if (rni > 0) != (m == _U8) or (shifts > 0) != (v == _U8) or sqrts != plain[mk, m] or f32_loads > most:
+        # at most the fp32-v kernel's square roots: a second sqrt per element would add as many again. (Fewer: since
+        # the cap on an 8-bit m, [Note: the bound on 8-bit m], nvcc unrolls one path of <fp32 master, u8, u8> less:
+        # 15 sqrt.rn.f32 against 24 on sm_80, not yet timed on a GPU.)
+        if (rni > 0) != (m == _U8) or (shifts > 0) != (v == _U8) or sqrts > plain[mk, m] or f32_loads > most:
             bad.append(f"  <master {mk}, exp_avg {m}, exp_avg_sq {v}>: cvt.rni.s32.f32 x{rni}, shr.s32 19 x{shifts}, "
                        f"sqrt.rn.f32 x{sqrts} (want {plain[mk, m]}), scalar fp32 loads {f32_loads} (at most {most})")
     print(f"\n{name} sm_{arch}: {len(entries)} coded kernels, 8-bit codes checked")

@@ -636,3 +636,63 @@ def test_8bit_exp_avg_of_a_stopped_gradient_decays(backend, monkeypatch):
     from _codec_controls import WRONG
     monkeypatch.setitem(C._ENCODERS, *WRONG["m8 nearest"])
     assert _stopped_gradient_drift("reference") > 10 * want
+
+
+def _spread_block_steps(backend, steps=30):
+    """Largest |step| / lr over ``steps`` of a tensor whose first 256-element block has constant gradients from 1
+    down to 1e-5 (fp32 Adam moves each by lr per step); the rest random. Returns (that ratio, param, state)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(700))
+    o = zk.FusedAdamW([p], lr=1e-2, weight_decay=0.0, backend=backend, exp_avg_dtype=U8, exp_avg_sq_dtype=U8)
+    g0 = torch.cat([10 ** (-5 * torch.arange(256) / 255), torch.randn(700 - 256)])
+    worst = 0.0
+    for _ in range(steps):
+        p.grad = g0.clone()
+        before = p.detach().clone()
+        o.step()
+        worst = max(worst, float(((p.detach() - before).abs() / 1e-2).max()))
+    return worst, p.detach().clone(), {k: v.clone() for k, v in o.state[p].items()}
+
+
+def test_8bit_m_is_capped_at_adams_bound_on_every_backend(monkeypatch):
+    """[Note: the bound on 8-bit m]: small gradients sharing a block with a large one took single steps of ~400 lr
+    (a linear code decodes a small m as 0 or scale / 127 while v stays accurate; a user probe). Capped at Adam's
+    bound: at most 2 lr here, every backend bit for bit (the cap binds: without it the steps are 100x larger)."""
+    backends = ["reference", "cpu", "triton"]
+    runs = {b: _spread_block_steps(b) for b in backends}
+    for b in backends:
+        assert runs[b][0] < 2.0, (b, runs[b][0])
+        assert torch.equal(runs[b][1], runs["reference"][1]), b
+        assert all(torch.equal(v, runs["reference"][2][k]) for k, v in runs[b][2].items()), b
+    from zero_kernels import reference as R
+    monkeypatch.setattr(R, "m_bound", lambda b1, b2: float("inf"))   # the negative control: no cap
+    assert _spread_block_steps("reference")[0] > 100.0
+
+
+def test_adams_bound_holds_for_exact_states():
+    """The cap changes nothing for exact moments: torch.optim.Adam's fp32 states stay within m_bound * sqrt(v) (up
+    to fp32 rounding) under heavy-tailed, sign-flipping and geometrically growing gradients; the bound is tight
+    (the growing sequence reaches 99% of it) and inf where it does not hold (beta1^2 >= beta2)."""
+    from zero_kernels.reference import m_bound
+    for b1, b2 in ((0.9, 0.999), (0.9, 0.95), (0.5, 0.3), (0.0, 0.9)):
+        k = m_bound(b1, b2)
+        worst = 0.0
+        for kind in ("cauchy", "flip", "grow"):
+            g = torch.Generator().manual_seed(0)
+            p = torch.nn.Parameter(torch.zeros(64))
+            o = torch.optim.Adam([p], lr=1e-3, betas=(b1, b2))
+            for s in range(400):
+                if kind == "cauchy":
+                    p.grad = torch.randn(64, generator=g) / torch.randn(64, generator=g)
+                elif kind == "flip":
+                    p.grad = torch.full((64,), 1.0 if s % 2 else -3.0)
+                else:                                   # Cauchy-Schwarz equality: g_s ~ (b2 / b1)^s
+                    p.grad = torch.full((64,), min((b2 / b1) ** s if b1 else float(s == 399), 1e30))
+                o.step()
+                st = o.state[p]
+                ok = st["exp_avg_sq"] > 1e-30                  # where g * g has not underflowed in fp32
+                if ok.any():
+                    worst = max(worst, float((st["exp_avg"].abs()[ok] / st["exp_avg_sq"][ok].sqrt()).max()))
+        assert worst <= k * (1 + 1e-5), (b1, b2, worst, k)
+        assert worst >= 0.99 * k, (b1, b2, worst, k)
+    assert m_bound(0.99, 0.95) == float("inf") and m_bound(0.9, 1.0) == float("inf")

@@ -74,6 +74,8 @@ SUITES = {
     "cpu_coded": ["tests/test_cpu_coded.py", "-x"],
     # the per-tensor Triton kernel behind torch.ops.zero_kernels.fused_adam_triton (the traced step)
     "ops_triton": ["tests/test_compile.py", "-k", "triton or operator"],
+    # the cap on an 8-bit exp_avg ([Note: the bound on 8-bit m]): reference, C++ and Triton on a block where it binds
+    "bound": ["tests/test_optim_coded.py", "-x", "-k", "bound", "-W", "ignore::RuntimeWarning"],
     # the ZeRO++ wire codec: Triton kernels (interpreted) and the torch encoder, against codecs.encode_q8
     "wire": ["tests/test_quant_kernels.py", "tests/test_zeropp.py::test_encode_wire_equals_codec_bit_for_bit",
              "-W", "ignore::RuntimeWarning"],
@@ -281,6 +283,13 @@ FAULTS = [
      "coded", "8-bit exp_avg dither bits not keyed by the element index"),
     ("ccod.m8_dither_dropped", CCS, "Q::srai<15>(Q::addi(q, r))", "Q::srai<15>(Q::addi(q, Q::set1i(1u << 14)))",
      "cpu_coded", "C++ 8-bit exp_avg rounded to nearest: no stochastic rounding"),
+    ("cod.m_bound_dropped", K, "    if BOUND_M:\n", "    if False:\n", "bound", "Triton: the 8-bit m cap not applied"),
+    ("cod.m_bound_sign", K, "tl.where(m < 0.0, -bound, bound)", "tl.where(m < 0.0, bound, bound)", "bound",
+     "Triton: a capped negative m turned positive"),
+    ("ccod.m_bound_dropped", CCS, "  if (k.bound_m) mv = zk_c_bounded", "  if (false) mv = zk_c_bounded", "bound",
+     "C++: the 8-bit m cap not applied"),
+    ("ref.m_bound_dropped", REF, "        if bound_m:\n", "        if False:\n", "bound",
+     "reference: the 8-bit m cap not applied"),
     # (the table codec's search, shared by the ZeRO++ wire codec since the step's 8-bit codec became arithmetic)
     ("cod.q8_tie_up", KC, "code = tl.where(mid < y, code + step, code)", "code = tl.where(mid <= y, code + step, code)",
      "wire", "8-bit table code of a value on a midpoint takes the upper entry"),

@@ -42,6 +42,20 @@ Integer arithmetic below is on uint32 (wrapping); here it runs on int64 tensors 
                     its block's scale while the block's other elements kept the scale up, and the element moved by
                     the same step forever (7% of lr per step; tests/test_optim_coded.py). v's code below does not
                     need it: a v stuck at its code only makes the (decaying) update smaller.
+                    [Note: the bound on 8-bit m] A linear code has no relative precision for |m| << scale / 127:
+                    such an m decodes as 0 or +-scale / 127 (right on average), while v's log code keeps sqrt(v)
+                    accurate, so m / sqrt(v) was unbounded: an element with small gradients in a block with a
+                    large one took single steps of 20-400 lr (an outlier input feature, 100x the others: final
+                    loss +54% over fp32 states, a user probe). The coded step of an 8-bit exp_avg therefore caps
+                    m after the moment update at Adam's own bound, m_bound(beta1, beta2) * sqrt(v) with
+                    m_bound = (1 - beta1) / sqrt((1 - beta2) (1 - beta1^2 / beta2)) (Cauchy-Schwarz over the
+                    exponential sums, for states that start at 0; 7.27 at (0.9, 0.999); inf unless
+                    beta1^2 < beta2 < 1), before the parameter update and the encoding
+                    (``reference.bounded_m``). Exact Adam states never exceed it, so it changes nothing but the
+                    code's excursions: the probe's block moves at most ~2 lr per step (8.2 lr without it), the
+                    outlier run ends at 0.391 (fp32 0.355, round-to-nearest 0.435, bitsandbytes' dynamic map
+                    0.367). ZeroAdamW's decoded path (a block mixing pieces with and without a step) takes
+                    the cap through ``fused_adam_ref(bound_m=True)`` (zero/step.py).
        v (unsigned, a log code of s = sqrt(v) on its float bits, 16 steps per octave):
                     s     = sqrt(v)   (correctly rounded: the step's own square root, nothing more)
                     scale = max s over the block
@@ -656,7 +670,8 @@ def adam_step_coded(param: Tensor, grad: Tensor, state: dict[str, Tensor], *, lr
     params16 = [param] if "master_param" in state else None
     m, v = decode_moment(state, "exp_avg"), decode_moment(state, "exp_avg_sq")
     fused_adam_ref([master], [grad], [m], [v], None, params16, coeffs, beta1=beta1, beta2=beta2, eps=eps,
-                   weight_decay=weight_decay, adamw=adamw, maximize=maximize, grad_scale=grad_scale)
+                   weight_decay=weight_decay, adamw=adamw, maximize=maximize, grad_scale=grad_scale,
+                   bound_m=state["exp_avg"].dtype == torch.uint8)
     for key, x, stream in (("exp_avg", m, 0), ("exp_avg_sq", v, 1)):
         sr = dict(seed=seed, step=t, stream=stream, index_offset=index_offset)
         encode_moment(state, key, x, bf16_rounding, sr)

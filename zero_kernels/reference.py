@@ -57,7 +57,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["fused_adam_ref", "compute_coeffs", "moment_coeffs", "sqrt_rn", "bytes_per_element"]
+__all__ = ["fused_adam_ref", "compute_coeffs", "moment_coeffs", "m_bound", "bounded_m", "sqrt_rn", "bytes_per_element"]
 
 
 def bytes_per_element(grad_dtype: torch.dtype, param16_dtype: torch.dtype | None, amsgrad: bool = False) -> int:
@@ -134,6 +134,22 @@ def sqrt_rn(x: Tensor) -> Tensor:
     return x.double().sqrt().float()
 
 
+def m_bound(beta1: float, beta2: float) -> float:
+    """Adam's bound on |m| / sqrt(v) for states that start at 0 ([Note: the bound on 8-bit m] in codecs.py):
+    ``(1 - beta1) / sqrt((1 - beta2) (1 - beta1^2 / beta2))``, in double (the kernels take it rounded once to
+    fp32), when ``0 <= beta1^2 < beta2 < 1``; else inf (no bound: the step applies none)."""
+    b1, b2 = float(beta1), float(beta2)
+    if not (0.0 <= b1 and b1 * b1 < b2 < 1.0):
+        return math.inf
+    return (1.0 - b1) / math.sqrt((1.0 - b2) * (1.0 - b1 * b1 / b2))
+
+
+def bounded_m(m: Tensor, bound: Tensor) -> Tensor:
+    """``m`` with |m| capped at ``bound`` (>= 0, or NaN): ``copysign(bound, m)`` where ``|m| > bound``, else ``m``
+    (a NaN m, or a NaN bound, leaves m as it is)."""
+    return torch.where(m.abs() > bound, torch.where(m < 0, -bound, bound), m)
+
+
 def moment_coeffs(beta1: float, beta2: float) -> tuple[float, float]:
     """(1 - beta1, 1 - beta2) in double: the scalars the update multiplies by.
 
@@ -148,11 +164,12 @@ def fused_adam_ref(
     masters: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
     max_exp_avg_sqs: list[Tensor] | None, params16: list[Tensor] | None, coeffs: Tensor, *,
     beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool, maximize: bool,
-    grad_scale: Tensor | None = None, found_inf: Tensor | None = None,
+    grad_scale: Tensor | None = None, found_inf: Tensor | None = None, bound_m: bool = False,
 ) -> None:
     """The contract in plain torch (see the Note above). States may be fp32 or any float dtype:
     math runs in fp32 and results are cast back once (that is how ``master_weights=False`` with
-    16-bit parameters keeps 16-bit states)."""
+    16-bit parameters keeps 16-bit states). ``bound_m`` (the coded step of an 8-bit exp_avg only, [Note: the
+    bound on 8-bit m] in codecs.py): after the moments, ``m = bounded_m(m, fp32(m_bound) * sqrt(v))``."""
     skip = None if found_inf is None else (found_inf.reshape(()) != 0)
     one_minus_beta1, one_minus_beta2 = moment_coeffs(beta1, beta2)
     for i, (p, g, m, v) in enumerate(zip(masters, grads, exp_avgs, exp_avg_sqs)):
@@ -174,7 +191,11 @@ def fused_adam_ref(
             vmax = torch.maximum(max_exp_avg_sqs[i].float(), vf)
             denom_v = vmax
             new.append(vmax)
-        pf = pf - step_size * mf / (sqrt_rn(denom_v) / bc2_sqrt + eps)
+        root = sqrt_rn(denom_v)
+        if bound_m:
+            mf = bounded_m(mf, torch.tensor(m_bound(beta1, beta2), dtype=torch.float32, device=mf.device) * root)
+            new[0] = mf
+        pf = pf - step_size * mf / (root / bc2_sqrt + eps)
         outs = [p, m, v] + ([max_exp_avg_sqs[i]] if max_exp_avg_sqs is not None else [])
         vals = [pf] + new
         if params16 is not None:

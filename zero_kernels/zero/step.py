@@ -20,6 +20,7 @@ into runs of parameter pieces with the same step count (:func:`param_runs`; norm
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..hparams import as_float, scalar_lr
-from ..reference import compute_coeffs
+from ..reference import compute_coeffs, fused_adam_ref
 from . import collectives as C
 from .buckets import FlatBucket
 from .coded import block_segments, step_coded_slice, step_decoded_slice
@@ -63,7 +64,10 @@ def step_bucket(b: FlatBucket, group: dict, active: Tensor, steps: Sequence[int]
             step_coded_slice(b, 0, data_end, group, runs[0][2], scale, coded_backend, adamw)
             return
         # blocks whose pieces all step with one count go to the coded kernel; the others (pieces without a step,
-        # or another count, in the block) through fp32 ([Note: coded ZeRO states])
+        # or another count, in the block) through fp32 ([Note: coded ZeRO states]); an 8-bit exp_avg takes its
+        # cap there too, through the contract's own definition ([Note: the bound on 8-bit m] in codecs.py)
+        dec = functools.partial(fused_adam_ref, bound_m=True) if b.optim.exp_avg.dtype == torch.uint8 \
+            else fused
         for lo, hi, st in block_segments(b.pieces, runs, data_end):
             if st is not None:
                 step_coded_slice(b, lo, hi, group, st, scale, coded_backend, adamw)
@@ -72,7 +76,7 @@ def step_bucket(b: FlatBucket, group: dict, active: Tensor, steps: Sequence[int]
             if not sub:                                 # only pieces without a step: nothing changes
                 continue
             step_decoded_slice(b, lambda m, ea, eas, p16, sub=sub, lo=lo, hi=hi: _fused_runs(
-                sub, group, m, b.reduce.grad_slice[lo:hi], ea, eas, None, p16, scale, fused, adamw, device),
+                sub, group, m, b.reduce.grad_slice[lo:hi], ea, eas, None, p16, scale, dec, adamw, device),
                 max(s for _, _, s in sub), sub, lo, hi)
         return
     st = b.optim
