@@ -678,18 +678,23 @@ class _HeadFromEmbedding(nn.Module):
     embedding (untied, ``F.linear(h, self.emb.weight)``) and a norm of a block's weight (a reduction of a
     placeholder is silently 0). With the default units ``emb`` and the blocks are units of their own."""
 
-    def __init__(self, late=False):
+    def __init__(self, late=False, penalty=False):
         super().__init__()
+        self.penalty = penalty
         self.emb = nn.Embedding(20, 16)
         self.blocks = nn.ModuleList([_HookedBlock() for _ in range(2)])
         self.ln = nn.LayerNorm(16)
         self.late = late                # the head appears only after the first forward (another code path)
 
     def forward(self, x):
+        w = self.blocks[1].l1.weight        # metadata reads are no use: blocks.1 is still freed after its forward
+        _ = (len(w), w.stride(), w.get_device(), torch.numel(w), w.is_contiguous(), w.dtype, w.shape)
         h = self.emb(x)
         for b in self.blocks:
             h = b(h)
         h = self.ln(h) * (1.0 + self.blocks[0].l2.weight.norm())
+        if self.training and self.penalty:  # a training-only branch (the first forward: an eval sanity check)
+            h = h + 1e-2 * self.blocks[1].l2.weight.pow(2).sum()
         return F.linear(h, self.emb.weight) if not self.late else h.sum(-1, keepdim=True)
 
 
@@ -720,6 +725,17 @@ def _case_parameters_used_outside_their_unit():
                         before_forward=evaluated_first)
     first[1].remove_hooks()
 
+    def sanity_check_first(m, zopt, s):  # Lightning's sanity check: eval, no grad; the penalty is training-only
+        if s == 0:
+            m.eval()
+            with torch.no_grad():
+                m(data[0][0])
+            m.train()
+    pen = _like_torch(lambda: _HeadFromEmbedding(penalty=True), data, lambda m, b: ce(m(b[0]), b[1]),
+                      lambda m, b, r, w: ce(m(_rank_rows(b[0], r)), _rank_rows(b[1], r)),
+                      before_forward=sanity_check_first)
+    pen[1].remove_hooks()
+
     torch.manual_seed(0)
     m = _HeadFromEmbedding(late=True)
     zopt = zk.ZeroAdamW(m, stage=3, lr=1e-2, timeout=60)
@@ -728,6 +744,9 @@ def _case_parameters_used_outside_their_unit():
     with pytest.raises(RuntimeError) as e:
         m(_rank_rows(data[0][0], dist.get_rank()))
     assert any("when this error was raised, the parameters of units 'emb'" in n for n in e.value.__notes__), e.value
+    with pytest.raises(RuntimeError, match="indices") as e:         # not a placeholder's error: no note
+        m(torch.randn(4, 6))
+    assert not getattr(e.value, "__notes__", None), e.value.__notes__
     zopt.remove_hooks()
 
 class _Tower(nn.Module):
@@ -736,7 +755,9 @@ class _Tower(nn.Module):
         self.inp, self.blk, self.proj = nn.Linear(8, 16), _HookedBlock(), nn.Linear(16, 8)
 
     def forward(self, x):
-        return F.normalize(self.proj(self.blk(self.inp(x))), dim=-1)
+        out = F.normalize(self.proj(self.blk(self.inp(x))), dim=-1)
+        self.aux = self.proj.weight.pow(2).sum()       # a term kept on the unit, after its output: its backward
+        return out                                     # runs first (the saved-tensor hooks are needed here too)
 
 
 class _Clip(nn.Module):
@@ -752,7 +773,7 @@ class _Clip(nn.Module):
         za, zb = self.a(x1), self.b(x2)
         logits = self.logit_scale.exp() * za @ zb.t()
         lab = torch.arange(logits.shape[0])
-        return (F.cross_entropy(logits, lab) + F.cross_entropy(logits.t(), lab)) / 2
+        return (F.cross_entropy(logits, lab) + F.cross_entropy(logits.t(), lab)) / 2 + 1e-3 * (self.a.aux + self.b.aux)
 
 
 def _case_units_called_without_the_root():

@@ -32,7 +32,7 @@ from .grad_guard import UNWRAPPED
 from .timeouts import scoped
 from .unit_bucket import FREE, GATHERED, UnitBucket, cache_module, copied_placeholder, copied_placeholder_error
 from .unit_hold import BackwardHold
-from .unit_outside import OutsideUseProbe, freed_units_note, under_torch_compile
+from .unit_outside import OutsideUseProbe, freed_units_note, placeholder_error, under_torch_compile
 from .unit_saved import SavedUnitTensors
 
 __all__ = ["UnitRuntime"]
@@ -89,12 +89,15 @@ class UnitRuntime:
         # [Note: tensors saved from a unit] in unit_saved.py: pushed by the root's pre-hook, popped after its
         # post-hook, also when its forward raised (always_call)
         self.saved = SavedUnitTensors(self.units, scoped(self.timeout, self.group, self._bucket_needed))
-        self.handles.append(self.units[0].module.register_forward_hook(
-            torch.compiler.disable(self._quiet(self._root_forward_exit)), always_call=True))
+        for u in self.units:
+            if u.buckets or u.index == 0:
+                self.handles.append(u.module.register_forward_hook(
+                    torch.compiler.disable(self._quiet(self._forward_exit(u))), always_call=True))
         # [Note: parameters used outside their unit] in unit_outside.py: the first forward's probe
         self.hooks_running = 0                # > 0 while one of these hooks runs (the probe ignores them)
         self.probe: OutsideUseProbe | None = None
-        self.probed = False
+        self.probed: set[tuple[bool, bool]] = set()     # (training, grad enabled) of the forwards probed so far
+        self._probe_mode: tuple[bool, bool] | None = None
         for u in self.units:            # a gradient reaching a parameter of a unit no hook gathered (same Note)
             for b in u.buckets:
                 for p in b.params:
@@ -192,7 +195,7 @@ class UnitRuntime:
                 return None
             if u.index == 0:
                 _refuse_ddp(module)
-                self.saved.enter()
+                self.saved.enter(u)
                 if self.hold.start_forward():         # held for a backward that never came
                     for x in self.units[1:]:
                         self._free_unit(x)
@@ -212,7 +215,8 @@ class UnitRuntime:
                     self._fwd_pos = j + 1
             else:
                 if u.index != 0:                      # a unit called outside the root's forward: the caller may
-                    self._ensure(self.units[0])       # use the root's parameters (unit_outside.py)
+                    self._ensure(self.units[0])       # use the root's parameters (unit_outside.py), and
+                    self.saved.enter(u)               # its saved tensors need the hooks as the root's do
                 self._ensure(u)
             return None
         return hook
@@ -260,13 +264,16 @@ class UnitRuntime:
         return run
 
     def _start_probe(self) -> None:
-        """The first forward of the root runs under the probe ([Note: parameters used outside their unit])."""
-        if self.probed or self.probe is not None or self.pinned:     # inside zopt.gathered() every unit is
-            return                                                      # gathered: nothing to find there
+        """The root's first forward in each mode (training or not, grad on or off) runs under the probe ([Note:
+        parameters used outside their unit]): a training-only branch is missed by a first eval forward."""
+        mode = (self.units[0].module.training, torch.is_grad_enabled())
+        if mode in self.probed or self.probe is not None or self.pinned:     # inside zopt.gathered() every unit
+            return                                                              # is gathered: nothing to find
         unit_of = {id(p): u for u in self.units[1:] for b in u.buckets for p in b.params}
         if not unit_of or under_torch_compile():
-            self.probed = True
+            self.probed.add(mode)
             return
+        self._probe_mode = mode
 
         def found(u: _Unit) -> None:
             u.outside = True
@@ -275,21 +282,28 @@ class UnitRuntime:
                                      lambda: self.hooks_running > 0, scoped(self.timeout, self.group, found))
         self.probe.__enter__()
 
-    def _root_forward_exit(self, module, args, output):
-        if module is not self.units[0].module:
-            return
-        err = sys.exc_info()[1]             # always_call: also run when the forward raised
-        if self.probe is not None:
-            probe, self.probe = self.probe, None
-            probe.__exit__(None, None, None)
-            self.probed = err is None       # a forward that raised probes again next time
-        self.saved.exit()
-        if isinstance(err, RuntimeError) and self.saved.refused_by(err):
-            err.add_note(self.saved.refusal_note())
-        elif isinstance(err, (RuntimeError, IndexError, ValueError)):
-            freed = [u.name for u in self.units[1:] if u.buckets and any(b.gather_state == FREE for b in u.buckets)]
-            if freed:
-                err.add_note(freed_units_note(freed))
+    def _forward_exit(self, u: _Unit):
+        """After the forward of ``u`` (also when it raised: always_call): the root's pops the probe, the forward
+        that pushed the saved-tensor hooks (the root's, or a unit's entered outside it) pops them, and an error
+        of the root's forward that looks like a read of a placeholder gets a note naming the freed units."""
+        def hook(module, args, output):
+            if module is not u.module:
+                return
+            err = sys.exc_info()[1]
+            if u.index == 0 and self.probe is not None:
+                probe, self.probe = self.probe, None
+                probe.__exit__(None, None, None)
+                if err is None:             # a forward that raised probes again next time
+                    self.probed.add(self._probe_mode)
+            if self.saved.owner is u:
+                self.saved.exit()
+            if isinstance(err, RuntimeError) and self.saved.refused_by(err):
+                err.add_note(self.saved.refusal_note())
+            elif u.index == 0 and placeholder_error(err):
+                freed = [x.name for x in self.units[1:] if x.buckets and any(b.gather_state == FREE for b in x.buckets)]
+                if freed:
+                    err.add_note(freed_units_note(freed))
+        return hook
 
     # ---- backward -----------------------------------------------------------------------------------
     def ensure_final_callback(self) -> None:

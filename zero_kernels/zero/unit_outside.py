@@ -8,7 +8,9 @@ child's parameter elsewhere: an output head computed from the embedding in the p
 forward. With the default units (the root's children are units) the parent then read a placeholder:
 a bare shape error, or, for a reduction (``w.norm()``, ``w.sum()``), silently 0.
 
-So the first forward of the root runs under a ``TorchFunctionMode`` (:class:`OutsideUseProbe`) that
+So the root's first forward in each mode (training or eval, grad on or off: Lightning's sanity check
+is an eval forward without grad, before any training branch runs) runs under a ``TorchFunctionMode``
+(:class:`OutsideUseProbe`) that
 looks at every torch call's arguments for a parameter of a non-root unit that is not gathered at
 that moment. One found is gathered on the spot (every rank runs the same forward, so the all-gather
 is the same collective on each) before the call runs, and its unit is marked ``outside``: from then
@@ -26,6 +28,7 @@ itself is never called) gathers the root too: its parameters (``logit_scale``) a
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any, Callable
 
@@ -33,7 +36,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["OutsideUseProbe", "freed_units_note", "under_torch_compile"]
+__all__ = ["OutsideUseProbe", "freed_units_note", "placeholder_error", "under_torch_compile"]
 
 
 # Calls that read a tensor's metadata, not its values (HF's ``self.dtype`` reads ``next(parameters()).dtype``):
@@ -41,7 +44,11 @@ __all__ = ["OutsideUseProbe", "freed_units_note", "under_torch_compile"]
 _METADATA = frozenset({torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.size, torch.Tensor.dim,
                        torch.Tensor.ndimension, torch.Tensor.element_size, torch.Tensor.is_floating_point,
                        torch.Tensor.is_complex, torch.Tensor.data_ptr, torch.Tensor.untyped_storage,
-                       torch.Tensor.__hash__, torch.Tensor.__format__, torch.Tensor.__repr__})
+                       torch.Tensor.__hash__, torch.Tensor.__format__, torch.Tensor.__repr__, torch.Tensor.__len__,
+                       torch.Tensor.stride, torch.Tensor.is_contiguous, torch.Tensor.get_device,
+                       torch.Tensor.storage_offset, torch.Tensor.is_inference, torch.Tensor.is_shared,
+                       torch.Tensor.is_pinned, torch.Tensor.dim_order, torch.numel, torch.is_floating_point,
+                       torch.is_complex, torch.is_tensor, torch.is_inference})
 
 
 class OutsideUseProbe(TorchFunctionMode):
@@ -87,6 +94,17 @@ def under_torch_compile() -> bool:
 
 
 _EVAL_FRAME = os.path.join("torch", "_dynamo", "eval_frame.py")
+
+
+_PLACEHOLDER_SHAPES = re.compile(r"\(0\)|\[0\]|\b0x\d|\dx0\b|got 1-D|size 0\b|0 elements|empty")
+
+
+def placeholder_error(err: BaseException | None) -> bool:
+    """Whether ``err`` (raised in a forward) reads like torch's error for a 0-element placeholder (a size (0), a
+    [0] shape, a 1-D tensor where a matrix was due); not a collective timeout or a dtype mismatch, which the note
+    would only misdirect."""
+    return (isinstance(err, (RuntimeError, IndexError, ValueError)) and type(err).__name__ != "CollectiveTimeoutError"
+            and _PLACEHOLDER_SHAPES.search(str(err)) is not None)
 
 
 def freed_units_note(names: list[str]) -> str:

@@ -88,20 +88,21 @@ class SavedUnitTensors:
         self._need = need           # gathers a (unit, bucket) in backward (UnitRuntime._bucket_needed)
         self._ctx = None            # the active saved_tensors_hooks, between enter() and exit()
         self._outer = None          # (pack, unpack) active when the forward started, wrapped by ours
+        self.owner = None           # the unit whose forward pushed them (the root, or a unit called outside it)
 
-    def enter(self) -> None:
-        """Start of the root's forward: push the hooks (see the Note)."""
+    def enter(self, owner) -> None:
+        """Start of the root's forward (or of a unit's entered outside it): push the hooks (see the Note)."""
         if (self._ctx is not None or not self._unit_of or not torch.is_grad_enabled()
                 or not torch._C._autograd._saved_tensors_hooks_is_enabled()):
             return
         self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         ctx.__enter__()
-        self._ctx = ctx
+        self._ctx, self.owner = ctx, owner
 
     def exit(self) -> None:
-        """End of the root's forward (also when it raised)."""
-        ctx, self._ctx = self._ctx, None
+        """End of that forward (also when it raised)."""
+        ctx, self._ctx, self.owner = self._ctx, None, None
         if ctx is not None:
             ctx.__exit__(None, None, None)
 
