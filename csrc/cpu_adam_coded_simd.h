@@ -271,11 +271,13 @@ ZK_TGT static inline V::F zk_c_grad1(const ZkCConst& k, V::F gv, V::F pv) {
   if (L2) gv = V::add(gv, V::mul(k.wd, pv));
   return gv;
 }
-// reference.bounded_m: copysign(b, m) where |m| > b (ordered: a NaN m or b leaves m), else m; b >= +0 there.
+// reference.bounded_m (copysign(b, m) where |m| > b, else m; a NaN m or b leaves m; b >= +0 or NaN) as
+// max(-b, min(b, m)) with x86 MINPS / MAXPS, which return their second operand when either is NaN or both are
+// zeros: a NaN m or b gives m, |m| == b and signed zeros give m, |m| > b gives +-b. The cap costs the 8-bit step
+// ~10% on the Intel machine of 2026-11-29 (19.7 -> 22.1 ms at 32M elements; the same with a compare and blend, or
+// without the branch): m now waits for sqrt(v) before its store and its block absmax.
 ZK_TGT static inline V::F zk_c_bounded(V::F mv, V::F b) {
-  const Q::I mb = Q::bi(mv);
-  const Q::F am = Q::bf(Q::andi(mb, Q::set1i(0x7FFFFFFFu)));
-  return Q::self(Q::gtf(am, b), Q::bf(Q::ori(Q::bi(b), Q::andi(mb, Q::set1i(0x80000000u)))), mv);
+  return Q::maxf(Q::bf(Q::xori(Q::bi(b), Q::set1i(0x80000000u))), Q::minf(b, mv));
 }
 ZK_TGT static inline V::F zk_c_moments1(const ZkCConst& k, V::F gv, V::F& mv, V::F& vv) {
   mv = V::add(mv, V::mul(k.omb1, V::sub(gv, mv)));

@@ -97,7 +97,9 @@ struct Q {
   static inline M gti(I a, I b) { return static_cast<int32_t>(a) > static_cast<int32_t>(b); }  // signed
   static inline M eqi(I a, I b) { return a == b; }
   static inline M isnan(F a) { return a != a; }
-  static inline M gtf(F a, F b) { return a > b; }  // ordered: false if either is NaN
+  // x86 MINPS / MAXPS: the second operand when either is NaN or both are zeros
+  static inline F minf(F a, F b) { return a < b ? a : b; }
+  static inline F maxf(F a, F b) { return a > b ? a : b; }
   // bits & 0x7FFFFFFF ? max(c, 1) : 0 (the raise / zero rule of the 8-bit v code)
   // code ? (code << 19) + base : 0 (the 8-bit v decode's bits of sqrt(v))
   static inline I v8_bits(I code, I base) { return code ? (code << 19) + base : 0u; }
@@ -248,7 +250,8 @@ struct Q {
   ZK_TGT static inline M gti(I a, I b) { return _mm256_cmpgt_epi32(a, b); }
   ZK_TGT static inline M eqi(I a, I b) { return _mm256_cmpeq_epi32(a, b); }
   ZK_TGT static inline M isnan(F a) { return bi(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
-  ZK_TGT static inline M gtf(F a, F b) { return bi(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }  // false if either is NaN
+  ZK_TGT static inline F minf(F a, F b) { return _mm256_min_ps(a, b); }  // b when either is NaN or both zeros
+  ZK_TGT static inline F maxf(F a, F b) { return _mm256_max_ps(a, b); }
   ZK_TGT static inline I v8_bits(I code, I base) {
     const M zero = _mm256_cmpeq_epi32(code, _mm256_setzero_si256());
     return _mm256_andnot_si256(zero, _mm256_add_epi32(_mm256_slli_epi32(code, 19), base));
@@ -358,7 +361,8 @@ struct Q {
   ZK_TGT static inline M gti(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }
   ZK_TGT static inline M eqi(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
   ZK_TGT static inline M isnan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
-  ZK_TGT static inline M gtf(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }  // false if either is NaN
+  ZK_TGT static inline F minf(F a, F b) { return _mm512_min_ps(a, b); }  // b when either is NaN or both zeros
+  ZK_TGT static inline F maxf(F a, F b) { return _mm512_max_ps(a, b); }
   ZK_TGT static inline I v8_bits(I code, I base) {
     return _mm512_maskz_add_epi32(_mm512_test_epi32_mask(code, code), _mm512_slli_epi32(code, 19), base);
   }
