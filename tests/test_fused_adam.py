@@ -533,6 +533,7 @@ BAD_HPARAMS = [
     (dict(betas=(1.0, 0.999)), "Invalid beta parameter at index 0"),
     (dict(betas=(0.9, -0.1)), "Invalid beta parameter at index 1"),
     (dict(differentiable=True), "differentiable"), (dict(fused=False), "always fused"),
+    (dict(foreach=True, fused=True), "cannot be `True` together.*drop foreach=True"),
     (dict(backend="tpu"), "backend"),
     (dict(eps=torch.tensor(1e-8)), "eps must be a number, got a Tensor .*pass eps=float"),
     (dict(weight_decay=torch.tensor(0.1)), "weight_decay must be a number, got a Tensor"),

@@ -60,10 +60,11 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         [Note: state formats] (hparams.py); their state dicts, conversions and backends: [Note: coded
         state dicts] (optim_coded.py). The defaults are fp32 states, as torch.
 
-    ``foreach`` is accepted and ignored (the step is always multi-tensor); ``fused=False`` and
-    ``differentiable=True`` are refused. ``step`` lives on the parameter's device (as with torch's
-    fused AdamW) and ``step()`` never reads anything back from the device, so every step can be
-    captured in a CUDA graph (``capturable=True`` is accepted; capture after a few eager steps,
+    ``foreach`` is accepted and ignored (the step is always multi-tensor); ``fused=False``,
+    ``foreach=True`` with ``fused=True`` (as torch) and ``differentiable=True`` are refused. ``step``
+    lives on the parameter's device (as with torch's fused AdamW) and ``step()`` never reads anything
+    back from the device, so every step can be captured in a CUDA graph (``capturable=True`` is
+    accepted; capture after a few eager steps,
     with static gradients: ``zero_grad(set_to_none=False)``, as ``torch.cuda.graphs`` requires).
 
     ``opt.backend``: the backend that runs for each device, e.g. ``{"cuda:0": "triton"}``.
@@ -102,6 +103,9 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         if fused is False:
             raise ValueError(f"{type(self).__name__} is always fused; fused=False asks for torch's "
                              "unfused loop: use torch.optim.Adam/AdamW for that")
+        if fused and foreach:           # torch.optim.AdamW refuses the pair too
+            raise ValueError(f"{type(self).__name__}: `fused` and `foreach` cannot be `True` together (as in "
+                             "torch.optim.AdamW); drop foreach=True (the step is always one fused pass)")
         if backend not in backends.BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {backends.BACKENDS}")
         if master_weights not in (None, True, False):
