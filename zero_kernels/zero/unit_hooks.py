@@ -86,9 +86,10 @@ class UnitRuntime:
                     scoped(self.timeout, self.group, self._quiet(self._pre_forward_hook(u)))), prepend=True))
                 self.handles.append(u.module.register_forward_hook(
                     torch.compiler.disable(self._quiet(self._post_forward_hook(u)))))
-        # [Note: tensors saved from a unit] in unit_saved.py: pushed by the root's pre-hook, popped after its
-        # post-hook, also when its forward raised (always_call)
-        self.saved = SavedUnitTensors(self.units, scoped(self.timeout, self.group, self._bucket_needed))
+        # [Note: tensors saved from a unit] in unit_saved.py: pushed by the root's pre-hook (or a unit's entered
+        # outside the root's forward), popped by that forward's exit hook, also when it raised (always_call)
+        self._need_bucket = scoped(self.timeout, self.group, self._bucket_needed)
+        self.saved = SavedUnitTensors(self.units, self._need_bucket)
         for u in self.units:
             if u.buckets or u.index == 0:
                 self.handles.append(u.module.register_forward_hook(
@@ -278,7 +279,7 @@ class UnitRuntime:
         def found(u: _Unit) -> None:
             u.outside = True
             self._ensure(u)
-        self.probe = OutsideUseProbe(unit_of, lambda u: all(b.gather_state == GATHERED for b in u.buckets),
+        self.probe = OutsideUseProbe(unit_of, _gathered,
                                      lambda: self.hooks_running > 0, scoped(self.timeout, self.group, found))
         self.probe.__enter__()
 
@@ -349,11 +350,9 @@ class UnitRuntime:
             b.finish_gather()
 
     def _param_grad_hook(self, u: _Unit, b: UnitBucket):
-        need = scoped(self.timeout, self.group, self._bucket_needed)
-
         def hook(grad):
             if b.gather_state != GATHERED:
-                need(u, b)
+                self._need_bucket(u, b)
             return None
         return hook
 
@@ -399,6 +398,10 @@ class UnitRuntime:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+def _gathered(u: _Unit) -> bool:
+    return all(b.gather_state == GATHERED for b in u.buckets)
 
 
 def _refuse_ddp(root: nn.Module) -> None:
