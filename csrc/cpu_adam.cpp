@@ -3,7 +3,7 @@
 // One pass over every element of every tensor of the call (multi-tensor), no temporaries:
 //   read p, m, v (fp32), g (fp32/bf16/fp16) [, vmax]; write p, m, v [, vmax] [, p16 (bf16/fp16)].
 //
-// SIMD paths, chosen at run time (never -march=native): AVX-512 (F+BW), AVX2+FMA+F16C, portable scalar.
+// SIMD paths, chosen at run time (never -march=native): AVX-512 (F+BW+DQ), AVX2+FMA+F16C, portable scalar.
 // Each path is the same loop (csrc/cpu_adam_simd.h) compiled with a function-level target
 // attribute. ZERO_KERNELS_CPU_ISA=avx512|avx2|scalar caps the path (tests use it to compare the
 // paths bitwise; a request above what the CPU supports is lowered to what it supports).
@@ -77,8 +77,10 @@ ZkIsa zk_detect_isa() {
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c"))
     best = ZK_ISA_AVX2;
-  // AVX-512 means F + BW (every AVX-512 CPU since Skylake-SP; the coded kernel's 16-bit lanes need BW).
-  if (best == ZK_ISA_AVX2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+  // AVX-512 means F + BW + DQ (every AVX-512 CPU since Skylake-SP; the coded kernel's 16-bit lanes need
+  // BW, its cap on 8-bit m DQ's VRANGEPS).
+  if (best == ZK_ISA_AVX2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq"))
     best = ZK_ISA_AVX512;
 #endif
   if (const char* env = std::getenv("ZERO_KERNELS_CPU_ISA")) {

@@ -6,7 +6,7 @@
 // element 0), so a blockwise moment's new scale (the absmax of the updated block) is computed by
 // the thread that encodes the block. Blocks are laid out tensor after tensor and split between
 // torch's intra-op threads (at::parallel_for semantics) on block boundaries. The block body
-// (csrc/cpu_adam_coded_simd.h) is compiled for AVX-512 (F+BW), AVX2+FMA+F16C and portable scalar and
+// (csrc/cpu_adam_coded_simd.h) is compiled for AVX-512 (F+BW+DQ), AVX2+FMA+F16C and portable scalar and
 // chosen at run time with the fp32 kernel's rule (zk_isa(), ZERO_KERNELS_CPU_ISA caps it); the
 // paths give identical bits (exact integer codecs, IEEE fp32 ops, no FMA).
 //

@@ -235,7 +235,8 @@ struct ZkCConst {
   V::F gscale, wd, decay, omb1, omb2, b2, eps, bc2, ss, inv_bc2, m_bound;
   Q::I neg;
   bool bc2_pow2;  // bc2 a normal power of two: sqrt(v) * inv_bc2 instead of sqrt(v) / bc2
-  bool bound_m;   // an 8-bit exp_avg: m capped at m_bound * sqrt(v) ([Note: the bound on 8-bit m])
+  bool bound_m;   // an 8-bit exp_avg: m capped at m_bound * sqrt(v) ([Note: the bound on 8-bit m]); not when
+                  // m_bound is inf (beta1^2 >= beta2): the cap leaves m then (|m| > inf never, inf * 0 is NaN)
 };
 
 ZK_TGT static inline bool zk_pow2_normal(float x) {
@@ -248,7 +249,7 @@ ZK_TGT static inline ZkCConst zk_c_const(const ZkCJob& j, const ZkCHyper& h) {
   return {V::set1(h.gscale), V::set1(h.wd), V::set1(j.decay), V::set1(h.omb1), V::set1(h.omb2),
           V::set1(h.b2), V::set1(h.eps), V::set1(j.bc2), V::set1(j.step_size),
           V::set1(pow2 ? 1.0f / j.bc2 : 1.0f), V::set1(h.m_bound), Q::set1i(h.maximize ? 0x80000000u : 0u), pow2,
-          j.m_kind == ZK_MK_U8};
+          j.m_kind == ZK_MK_U8 && h.m_bound <= 3.4028234663852886e38f};
 }
 
 template <int GT>
@@ -273,17 +274,27 @@ ZK_TGT static inline V::F zk_c_grad1(const ZkCConst& k, V::F gv, V::F pv) {
 }
 // reference.bounded_m (copysign(b, m) where |m| > b, else m; a NaN m or b leaves m; b >= +0 or NaN) as
 // max(-b, min(b, m)) with x86 MINPS / MAXPS, which return their second operand when either is NaN or both are
-// zeros: a NaN m or b gives m, |m| == b and signed zeros give m, |m| > b gives +-b. The cap costs the 8-bit step
-// ~10% on the Intel machine of 2026-11-29 (19.7 -> 22.1 ms at 32M elements; the same with a compare and blend, or
-// without the branch): m now waits for sqrt(v) before its store and its block absmax.
+// zeros: a NaN m or b gives m, |m| == b and signed zeros give m, |m| > b gives +-b. In this form the cap cost the
+// 8-bit step ~10% on the Intel machine of 2026-11-29 (19.7 -> 22.1 ms at 32M elements; the same with a compare
+// and blend, or without the branch): m waits for sqrt(v) before its store and its block absmax.
 ZK_TGT static inline V::F zk_c_bounded(V::F mv, V::F b) {
   return Q::maxf(Q::bf(Q::xori(Q::bi(b), Q::set1i(0x80000000u))), Q::minf(b, mv));
 }
+// The same cap where m is NaN only together with b (zk_c_block_q8: m and v decode finite, so a NaN m needs a
+// NaN gradient, which makes v and b NaN too; an infinite m_bound skips the cap: zk_c_const): one VRANGEPS on
+// AVX-512 (Q::range_cap; the cap took ~10% of the 8-bit step with the min / max form, ~6% with it).
+template <typename QQ = Q>
+ZK_TGT static inline V::F zk_c_bounded_q8(V::F mv, V::F b) {
+  if constexpr (QQ::kRangeCap) return QQ::range_cap(mv, b);
+  else return zk_c_bounded(mv, b);
+}
+// Q8: called from zk_c_block_q8 (the cap by zk_c_bounded_q8).
+template <bool Q8 = false>
 ZK_TGT static inline V::F zk_c_moments1(const ZkCConst& k, V::F gv, V::F& mv, V::F& vv) {
   mv = V::add(mv, V::mul(k.omb1, V::sub(gv, mv)));
   vv = V::add(V::mul(k.b2, vv), V::mul(V::mul(k.omb2, gv), gv));
   const V::F sq = V::sqrt(vv);
-  if (k.bound_m) mv = zk_c_bounded(mv, V::mul(k.m_bound, sq));
+  if (k.bound_m) mv = Q8 ? zk_c_bounded_q8(mv, V::mul(k.m_bound, sq)) : zk_c_bounded(mv, V::mul(k.m_bound, sq));
   return sq;
 }
 ZK_TGT static inline V::F zk_c_param1(const ZkCConst& k, V::F pv, V::F mv, V::F sq) {
@@ -448,7 +459,7 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
       V::F pv = V::set1(0.0f);
       if constexpr (L2) pv = REM ? zk_c_join1(p16 + i, rem + i) : V::load(master + i);
       V::F mv = zk_m8_decode(mc + i, mstep), vv = zk_v8_decode(vc + i, vbase);
-      const V::F sq = zk_c_moments1(k, zk_c_grad1<L2, PLAIN>(k, gx[u], pv), mv, vv);
+      const V::F sq = zk_c_moments1<true>(k, zk_c_grad1<L2, PLAIN>(k, gx[u], pv), mv, vv);
       V::store(bm + i, mv);
       V::store(bs + i, sq);
       am = Q::maxi(am, zk_q8_absbits(mv));

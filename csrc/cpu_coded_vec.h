@@ -100,6 +100,7 @@ struct Q {
   // x86 MINPS / MAXPS: the second operand when either is NaN or both are zeros
   static inline F minf(F a, F b) { return a < b ? a : b; }
   static inline F maxf(F a, F b) { return a > b ? a : b; }
+  static constexpr bool kRangeCap = false;  // no VRANGEPS (zk_avx512's Q)
   // bits & 0x7FFFFFFF ? max(c, 1) : 0 (the raise / zero rule of the 8-bit v code)
   // code ? (code << 19) + base : 0 (the 8-bit v decode's bits of sqrt(v))
   static inline I v8_bits(I code, I base) { return code ? (code << 19) + base : 0u; }
@@ -252,6 +253,7 @@ struct Q {
   ZK_TGT static inline M isnan(F a) { return bi(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
   ZK_TGT static inline F minf(F a, F b) { return _mm256_min_ps(a, b); }  // b when either is NaN or both zeros
   ZK_TGT static inline F maxf(F a, F b) { return _mm256_max_ps(a, b); }
+  static constexpr bool kRangeCap = false;  // no VRANGEPS (zk_avx512's Q)
   ZK_TGT static inline I v8_bits(I code, I base) {
     const M zero = _mm256_cmpeq_epi32(code, _mm256_setzero_si256());
     return _mm256_andnot_si256(zero, _mm256_add_epi32(_mm256_slli_epi32(code, 19), base));
@@ -306,7 +308,7 @@ struct Q {
 #undef ZK_TGT
 }  // namespace zk_avx2
 
-// ============================================================================ AVX-512 (F + BW)
+// ============================================================================ AVX-512 (F + BW + DQ)
 namespace zk_avx512 {
 #define ZK_TGT ZK_TGT_AVX512
 struct Q {
@@ -363,6 +365,11 @@ struct Q {
   ZK_TGT static inline M isnan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
   ZK_TGT static inline F minf(F a, F b) { return _mm512_min_ps(a, b); }  // b when either is NaN or both zeros
   ZK_TGT static inline F maxf(F a, F b) { return _mm512_max_ps(a, b); }
+  // VRANGEPS, imm 0b0010: min(|m|, |b|) with m's sign, so m where |m| <= |b|, else copysign(b, m), in ONE op
+  // (the min / max form of zk_c_bounded takes three and a sign flip). Its NaN rule differs: a NaN m beside a
+  // non-NaN b gives b (the other NaN cases give m). zk_c_block_q8 only: there m is NaN only with b.
+  static constexpr bool kRangeCap = true;
+  ZK_TGT static inline F range_cap(F m, F b) { return _mm512_range_ps(m, b, 0x02); }
   ZK_TGT static inline I v8_bits(I code, I base) {
     return _mm512_maskz_add_epi32(_mm512_test_epi32_mask(code, code), _mm512_slli_epi32(code, 19), base);
   }

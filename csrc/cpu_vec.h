@@ -112,7 +112,7 @@ constexpr int64_t ZK_GRAIN_UNITS = 2048;  // 32K elements: below this, one threa
 }  // namespace
 
 #define ZK_TGT_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define ZK_TGT_AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
+#define ZK_TGT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx2,fma,f16c")))
 
 // ============================================================================ portable scalar
 namespace zk_scalar {
@@ -193,7 +193,7 @@ struct V {
 #undef ZK_TGT
 }  // namespace zk_avx2
 
-// ============================================================================ AVX-512 (F + BW)
+// ============================================================================ AVX-512 (F + BW + DQ)
 namespace zk_avx512 {
 #define ZK_TGT ZK_TGT_AVX512
 struct V {

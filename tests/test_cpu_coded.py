@@ -38,7 +38,9 @@ HP = {"adamw": dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
       # [Note: a power-of-two bias correction divides by multiplying] (csrc/cpu_adam_coded_simd.h): at step 1
       # bc2 = sqrt(1 - 0.75) = 0.5 (then not a power of two); with beta2 = 1e-8, bc2 rounds to 1.0 at every step
       "bc2=0.5": dict(lr=1e-2, beta1=0.9, beta2=0.75, eps=1e-8, weight_decay=0.1, adamw=True),
-      "bc2=1": dict(lr=1e-2, beta1=0.9, beta2=1e-8, eps=1e-8, weight_decay=0.01, adamw=True)}
+      "bc2=1": dict(lr=1e-2, beta1=0.9, beta2=1e-8, eps=1e-8, weight_decay=0.01, adamw=True),
+      # [Note: the bound on 8-bit m]: beta1^2 >= beta2, so m_bound is inf and the cap leaves m (the kernel skips it)
+      "no bound": dict(lr=1e-2, beta1=0.99, beta2=0.95, eps=1e-8, weight_decay=0.1, adamw=True)}
 
 
 def bits(t):
@@ -268,6 +270,23 @@ def test_nan_and_inf_gradients(layout, m_dtype, v_dtype):
                 assert torch.equal(bits(p), bits(q)), f"step {t + 1}"
 
 
+@pytest.mark.parametrize("hp", ["adamw", "no bound"])
+@pytest.mark.parametrize("layout", ["remainder", "fp32"])
+def test_8bit_cap_on_zero_gradients_and_an_infinite_bound(layout, hp):
+    """The cap on 8-bit m (one VRANGEPS on AVX-512 in the 8-bit block, the min / max form elsewhere) where
+    sqrt(v) is 0 (gradients 0 from step 1: m_bound * 0 is 0, or NaN for an infinite bound, which must leave
+    m) and where it binds: every state bit as the reference, on 3 steps."""
+    ps, states = setup(5, layout, U8, U8, [257, 1000])
+    qs, refs = setup(5, layout, U8, U8, [257, 1000])
+    for t in range(3):
+        gs = grads_for(6, t, ps, ps[0].dtype)
+        gs[0][:40] = 0.0                          # v stays 0 here: the bound is 0 (inf * 0 for "no bound")
+        gs[1][::97] = gs[1][::97] * 1e4           # a large gradient per block: small m decode coarsely
+        kernel_step(ps, gs, states, [0, 1], HP[hp])
+        reference_step(qs, gs, refs, [0, 1], HP[hp])
+    assert_equal(ps, states, qs, refs)
+
+
 def _run_threads(nthreads):
     old = torch.get_num_threads()
     torch.set_num_threads(nthreads)
@@ -327,6 +346,9 @@ ISA_SCRIPT = textwrap.dedent("""
             for k in sorted(s):
                 h.update(T.bits(s[k]).numpy().tobytes())
         out[f"{{m}}/{{v}}/{{layout}}"] = h.hexdigest()
+    for layout in ("remainder", "fp32"):   # the cap on 8-bit m (VRANGEPS on AVX-512), on this path
+        for hp in ("adamw", "no bound"):
+            T.test_8bit_cap_on_zero_gradients_and_an_infinite_bound(layout, hp)
     for hp in ("bc2=0.5", "bc2=1"):     # the bias correction's division as a multiply, on this path
         T.check("remainder", T.U8, T.U8, gdt=T.BF, hp=hp, steps=2, sizes=[1, 257, 5000])
         T.check("fp32", T.BF, T.U8, hp=hp, steps=2, sizes=[1, 257, 5000])

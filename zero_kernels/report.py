@@ -59,7 +59,7 @@ def _cpu_flags() -> list[str]:
             for line in f:
                 if line.startswith("flags"):
                     have = set(line.split(":", 1)[1].split())
-                    return [x for x in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16") if x in have]
+                    return [x for x in ("avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512_bf16") if x in have]
     except OSError:
         pass
     return []
