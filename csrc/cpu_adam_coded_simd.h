@@ -18,8 +18,8 @@
 
 // ---------------------------------------------------------------- 8-bit moment codes (codecs.py Note 2)
 // m: per block inv = 127 * 2^15 / scale, 0 unless finite; q = rint(m * inv), int8 code = clamp((q + r) >> 15,
-// -127, 127) with r = ((i ^ key) * 0x9E3779B1 mod 2^32) >> 17 (15 random bits of the flat index i: stochastic
-// rounding), decoded with scale / 127. rint by the magic number 1.5 * 2^23 (|y| <= 2^22): one fp32 add rounds
+// -127, 127) with r = ((i * 0x9E3779B1 + key) mod 2^32) >> 17 (15 random bits: a Weyl sequence over the flat
+// index i, advanced by one add per vector; stochastic rounding), decoded with scale / 127. rint by the magic number 1.5 * 2^23 (|y| <= 2^22): one fp32 add rounds
 // half to even and leaves the integer plus the magic's bits in the bits (st_u8 keeps the code's low 8).
 // v: a log code of s = sqrt(v) on the int32 bits: code = max(((bits(s) - bits(scale)) + 255 * 2^19 +
 // 2^18) >> 19, 1), 0 where s == 0 or the scale is not finite; decoded s' = bits((code << 19) +
@@ -43,13 +43,14 @@ ZK_TGT static inline uint32_t zk_f32_bits(float x) {
 ZK_TGT static inline bool zk_v8_finite(float scale) { return (zk_f32_bits(scale) & 0x7FFFFFFFu) < 0x7F800000u; }
 
 // One vector of codes. m: int8 codes (low 8 bits of each lane) of x given inv = 127 * 2^15 / scale != 0
-// (magic: 1.5 * 2^23), idx the elements' flat indices (mod 2^32), key the tensor's and step's. v: log codes of s = sqrt(v) >= 0 given k = 255 * 2^19 + 2^18 - bits(scale) for a
+// (magic: 1.5 * 2^23) and h = i * 0x9E3779B1 + key (mod 2^32) of the elements' flat indices i (zk_m8_weyl: the
+// key is the tensor's and step's). v: log codes of s = sqrt(v) >= 0 given k = 255 * 2^19 + 2^18 - bits(scale) for a
 // finite scale: (bits(s) - bits(scale)) + 255 * 2^19 + 2^18 fits an int32, so one wrapping add of the
 // constant folded with -bits(scale) gives it.
 // *_bits: the code in the low 8 bits of each lane (*_code1 stores them).
-ZK_TGT static inline Q::I zk_m8_code_bits(const float* x, Q::F inv, Q::F magic, Q::I idx, Q::I key) {
+ZK_TGT static inline Q::I zk_m8_code_bits(const float* x, Q::F inv, Q::F magic, Q::I h) {
   const Q::I q = Q::subi(Q::bi(Q::add(Q::mul(Q::ldf(x), inv), magic)), Q::set1i(ZK_RNE_MAGIC_BITS));
-  const Q::I r = Q::shr<17>(Q::muli(Q::xori(idx, key), Q::set1i(ZK_M8_DITHER_MUL)));
+  const Q::I r = Q::shr<17>(h);
   // codecs.encode_m8's clamp to [-127, 127] never binds: inv = RN(127 * 2^15 / scale) exceeds the exact quotient
   // by at most 2^-24 relative, so |m * inv| <= 127 * 2^15 + 0.25 for every |m| <= scale, which rounds to
   // |q| <= 127 * 2^15 (the fp32 spacing there is 1/4, a tie goes to the even 127 * 2^15), and with 0 <= r < 2^15
@@ -60,9 +61,15 @@ ZK_TGT static inline Q::I zk_v8_code_bits(const float* s, Q::I k) {
   const Q::I b = Q::bi(Q::ldf(s));
   return Q::v8_raise(b, Q::srai<19>(Q::addi(b, k)));
 }
-ZK_TGT static inline void zk_m8_code1(const float* x, Q::F inv, Q::F magic, Q::I idx, Q::I key, uint8_t* dst) {
-  Q::st_u8(dst, zk_m8_code_bits(x, inv, magic, idx, key));
+ZK_TGT static inline void zk_m8_code1(const float* x, Q::F inv, Q::F magic, Q::I h, uint8_t* dst) {
+  Q::st_u8(dst, zk_m8_code_bits(x, inv, magic, h));
 }
+// The m code's dither state of the vector whose element 0 has flat index idx0: h = i * 0x9E3779B1 + key per lane;
+// zk_m8_weyl_step() advances it by one vector (Q::W elements).
+ZK_TGT static inline Q::I zk_m8_weyl(uint32_t idx0, uint32_t key) {
+  return Q::addi(Q::muli(Q::addi(Q::set1i(idx0), Q::iota()), Q::set1i(ZK_M8_DITHER_MUL)), Q::set1i(key));
+}
+ZK_TGT static inline Q::I zk_m8_weyl_step() { return Q::set1i(ZK_M8_DITHER_MUL * static_cast<uint32_t>(Q::W)); }
 ZK_TGT static inline void zk_v8_code1(const float* s, Q::I k, uint8_t* dst) { Q::st_u8(dst, zk_v8_code_bits(s, k)); }
 ZK_TGT static inline Q::I zk_v8_key(float scale) { return Q::set1i(ZK_V8_TOP + ZK_V8_HALF - zk_f32_bits(scale)); }
 
@@ -70,10 +77,9 @@ ZK_TGT static inline Q::I zk_v8_key(float scale) { return Q::set1i(ZK_V8_TOP + Z
 ZK_TGT static inline void zk_m8_codes(const float* x, float inv, uint8_t* dst, uint32_t idx0, uint32_t key) {
   if (inv == 0.0f) { std::memset(dst, 0, ZK_QBLOCK); return; }
   const Q::F s = Q::set1f(inv), magic = Q::set1f(12582912.0f);
-  const Q::I k = Q::set1i(key);
-  Q::I idx = Q::addi(Q::set1i(idx0), Q::iota());
-  for (int i = 0; i < ZK_QBLOCK; i += Q::W, idx = Q::addi(idx, Q::set1i(Q::W)))
-    zk_m8_code1(x + i, s, magic, idx, k, dst + i);
+  const Q::I step = zk_m8_weyl_step();
+  Q::I h = zk_m8_weyl(idx0, key);
+  for (int i = 0; i < ZK_QBLOCK; i += Q::W, h = Q::addi(h, step)) zk_m8_code1(x + i, s, magic, h, dst + i);
 }
 
 // uint8 log codes of v (s: the block's sqrt(v) >= 0, scale: their max).
@@ -484,8 +490,8 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
   const bool codes_here = minv != 0.0f && zk_v8_finite(vs);
   const Q::F m_inv = Q::set1f(minv), magic = Q::set1f(12582912.0f);
   const Q::I v_key = zk_v8_key(vs);
-  const Q::I m_key = Q::set1i(j.m_key);
-  Q::I idx = Q::addi(Q::set1i(idx0), Q::iota());   // the flat indices of the vector at i (m's dither)
+  const Q::I h_step = zk_m8_weyl_step();
+  Q::I dither = zk_m8_weyl(idx0, j.m_key);   // m's dither state of the vector at i
   for (int i0 = 0; i0 < ZK_QBLOCK; i0 += STEP) {
     Q::I mcode[2], vcode[2];
     ms_.begin(i0);
@@ -494,15 +500,15 @@ ZK_TGT static void zk_c_block_q8(const ZkCJob& j, const ZkCHyper& h, const ZkCAr
       const V::F pv = zk_c_param1(k, ms_.get(u, i), V::load(bm + i), V::load(bs + i));
       if (codes_here) {
         if constexpr (Q::kPair) {  // stored by pairs below
-          mcode[u] = zk_m8_code_bits(bm + i, m_inv, magic, idx, m_key);
+          mcode[u] = zk_m8_code_bits(bm + i, m_inv, magic, dither);
           vcode[u] = zk_v8_code_bits(bs + i, v_key);
         } else {
-          zk_m8_code1(bm + i, m_inv, magic, idx, m_key, mc + i);
+          zk_m8_code1(bm + i, m_inv, magic, dither, mc + i);
           zk_v8_code1(bs + i, v_key, vc + i);
         }
       }
       ms_.put(u, i, pv);
-      idx = Q::addi(idx, Q::set1i(Q::W));
+      dither = Q::addi(dither, h_step);
     }
     if constexpr (Q::kPair) {
       if (codes_here) {

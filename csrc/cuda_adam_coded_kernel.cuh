@@ -30,7 +30,7 @@
 // then per element a few operations:
 //   exp_avg:    decode m = float(int8 code) * (scale / 127);
 //               encode q = cvt.rni.s32 (round half even) of m * (127 * 2^15 / scale), then stochastic
-//               rounding: code = clamp((q + r) >> 15, -127, 127), r = ((i ^ key) * 0x9E3779B1) >> 17
+//               rounding: code = clamp((q + r) >> 15, -127, 127), r = (i * 0x9E3779B1 + key) >> 17
 //               (15 random bits of the flat index i); the inverse is replaced by 0 unless finite (a block of
 //               zeros, a scale so tiny that the inverse overflows): code 0 there.
 //   exp_avg_sq: a log code of s = sqrt(v) on its bits, s the square root adam_update took for the
@@ -212,7 +212,7 @@ __device__ __forceinline__ uint32_t encode_f8(float y) {
 // NaN there, and x * 0 would not be 0).
 __device__ __forceinline__ uint32_t encode_m8(float x, float inv, uint32_t index, uint32_t key) {
   const int32_t q = __float2int_rn(zk::cuda_adam::mul_rn(x, inv));
-  const int32_t r = int32_t(((index ^ key) * 0x9E3779B1u) >> 17);
+  const int32_t r = int32_t((index * 0x9E3779B1u + key) >> 17);
   const int32_t code = min(max((q + r) >> 15, -127), 127);
   return inv == 0.0f ? 0u : uint32_t(code) & 0xFFu;
 }

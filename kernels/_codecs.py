@@ -137,7 +137,7 @@ def encode_m8(x, offs, index_offset, key, mask):
     y = tl.where(inv == 0.0, 0.0, x * inv)       # no NaN / inf reaches the rounding
     q = (y + RNE_MAGIC).to(tl.int32, bitcast=True) - RNE_MAGIC_BITS
     idx = ((index_offset + offs) & 0xFFFFFFFF).to(tl.uint32)
-    r = ((idx ^ key) * 0x9E3779B1).to(tl.uint32) >> (32 - M8_DITHER_BITS)   # codecs.m8_dither (mod 2^32)
+    r = (idx * 0x9E3779B1 + key).to(tl.uint32) >> (32 - M8_DITHER_BITS)   # codecs.m8_dither (mod 2^32)
     code = (q + r.to(tl.int32)) >> M8_DITHER_BITS
     code = tl.minimum(tl.maximum(code, -127), 127)
     return (code & 0xFF).to(tl.uint8), scale

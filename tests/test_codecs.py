@@ -292,7 +292,7 @@ def test_m8_rounds_stochastically_without_bias():
     inv = (torch.tensor(127.0 * 2**15) / scale).repeat_interleave(C.BLOCK)[:1000]
     q = torch.round(m * inv).long()
     idx = (torch.arange(1000) + 2**32 - 17) & 0xFFFFFFFF
-    r = ((idx ^ C.sr_key(11, 7, 0)) * 0x9E3779B1 & 0xFFFFFFFF) >> 17
+    r = ((idx * 0x9E3779B1 + C.sr_key(11, 7, 0)) & 0xFFFFFFFF) >> 17
     want = torch.clamp((q + r) >> 15, -127, 127).to(torch.int8).view(U8)
     assert torch.equal(C.encode_m8(m, seed=11, step=7, index_offset=2**32 - 17)[0], want)
 

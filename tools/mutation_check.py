@@ -286,8 +286,10 @@ FAULTS = [
     ("cod.m_bound_dropped", K, "    if BOUND_M:\n", "    if False:\n", "bound", "Triton: the 8-bit m cap not applied"),
     ("cod.m_bound_sign", K, "tl.where(m < 0.0, -bound, bound)", "tl.where(m < 0.0, bound, bound)", "bound",
      "Triton: a capped negative m turned positive"),
-    ("ccod.m_bound_dropped", CCS, "  if (k.bound_m) mv = zk_c_bounded", "  if (false) mv = zk_c_bounded", "bound",
+    ("ccod.m_bound_dropped", CCS, "  if (k.bound_m) mv = Q8 ?", "  if (false) mv = Q8 ?", "bound",
      "C++: the 8-bit m cap not applied"),
+    ("ccod.m_bound_range_sign", CCV, "_mm512_range_ps(m, b, 0x02)", "_mm512_range_ps(m, b, 0x06)", "bound",
+     "C++ AVX-512: the capped m takes the bound's sign (VRANGEPS sign control)"),
     ("ref.m_bound_dropped", REF, "        if bound_m:\n", "        if False:\n", "bound",
      "reference: the 8-bit m cap not applied"),
     # (the table codec's search, shared by the ZeRO++ wire codec since the step's 8-bit codec became arithmetic)
