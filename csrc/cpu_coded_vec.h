@@ -394,14 +394,19 @@ struct Q {
                                              30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0));
   }
   ZK_TGT static inline void join2(const uint16_t* hp, const int16_t* rp, F& x0, F& x1) {
-    const I r0 = _mm512_loadu_si512(rp);
+    I r = _mm512_loadu_si512(rp);
     I h = _mm512_loadu_si512(hp);
-    // under hi = +-0 a negative rem counts as 0, under hi = +-inf a positive one (zk_c_join1)
+    // under hi = +-0 a negative rem counts as 0, under hi = +-inf a positive one (zk_c_join1): rare (a parameter
+    // written outside the optimizer), so the rule runs only where one unsigned compare finds a hi of magnitude 0
+    // or >= 0x7F80 ((mag - 1) mod 2^16 >= 0x7F7F)
     const I mag = _mm512_and_si512(h, _mm512_set1_epi16(0x7FFF));
-    const __mmask32 sat =
-        (_mm512_movepi16_mask(r0) & _mm512_testn_epi16_mask(h, _mm512_set1_epi16(0x7FFF))) |
-        (_mm512_cmpgt_epi16_mask(r0, _mm512_setzero_si512()) & _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7F80)));
-    const I r = _mm512_maskz_mov_epi16(~sat, r0);
+    if (__builtin_expect(_mm512_cmpge_epu16_mask(_mm512_sub_epi16(mag, _mm512_set1_epi16(1)),
+                                                 _mm512_set1_epi16(0x7F7F)) != 0, 0)) {
+      const __mmask32 sat =
+          (_mm512_movepi16_mask(r) & _mm512_testn_epi16_mask(h, _mm512_set1_epi16(0x7FFF))) |
+          (_mm512_cmpgt_epi16_mask(r, _mm512_setzero_si512()) & _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7F80)));
+      r = _mm512_maskz_mov_epi16(~sat, r);
+    }
     h = _mm512_mask_sub_epi16(h, _mm512_movepi16_mask(r), h, _mm512_set1_epi16(1));
     // word 2k of x0 / x1: rem k / rem 16 + k; word 2k + 1: hi k / hi 16 + k (index 32 + .. picks h)
     const I lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
@@ -415,12 +420,9 @@ struct Q {
   ZK_TGT static inline void split2(F x0, F x1, uint16_t* hp, int16_t* rp) {
     const I lo = _mm512_permutex2var_epi16(bi(x0), words(0), bi(x1));
     const I hi = _mm512_permutex2var_epi16(bi(x0), words(1), bi(x1));
-    const I half = _mm512_set1_epi16(static_cast<short>(0x8000));
-    const __mmask32 tie = _mm512_cmpeq_epi16_mask(lo, half);
-    const __mmask32 up =
-        _mm512_cmpgt_epu16_mask(lo, half) | (tie & _mm512_test_epi16_mask(hi, _mm512_set1_epi16(1)));
+    const __mmask32 up = rne_up(lo, hi);
     I h = _mm512_mask_add_epi16(hi, up, hi, _mm512_set1_epi16(1));
-    I r = _mm512_mask_mov_epi16(lo, tie & ~up, _mm512_set1_epi16(0x7FFF));
+    I r = _mm512_mask_min_epu16(lo, _knot_mask32(up), lo, _mm512_set1_epi16(0x7FFF));  // not up: lo <= 0x8000
     if (__builtin_expect(_mm512_cmp_ps_mask(x0, x1, _CMP_UNORD_Q) != 0, 0)) {
       const __mmask32 nan = nan2(x0, x1);
       h = _mm512_mask_mov_epi16(h, nan, _mm512_set1_epi16(0x7FC0));
@@ -428,6 +430,12 @@ struct Q {
     }
     _mm512_storeu_si512(hp, h);
     _mm512_storeu_si512(rp, r);
+  }
+  // Round to nearest even on 16-bit halves: up where lo > 0x8000, or lo == 0x8000 and hi odd, i.e. where
+  // lo + (hi & 1), saturating at 0xFFFF, exceeds 0x8000.
+  ZK_TGT static inline __mmask32 rne_up(I lo, I hi) {
+    return _mm512_cmpgt_epu16_mask(_mm512_adds_epu16(lo, _mm512_and_si512(hi, _mm512_set1_epi16(1))),
+                                   _mm512_set1_epi16(static_cast<short>(0x8000)));
   }
   // The NaN lanes of x0 (bits 0-15) and x1 (bits 16-31).
   ZK_TGT static inline __mmask32 nan2(F x0, F x1) {
@@ -439,10 +447,7 @@ struct Q {
   ZK_TGT static inline void bf16x2(F x0, F x1, uint16_t* hp, bool nt) {
     const I lo = _mm512_permutex2var_epi16(bi(x0), words(0), bi(x1));
     const I hi = _mm512_permutex2var_epi16(bi(x0), words(1), bi(x1));
-    const I half = _mm512_set1_epi16(static_cast<short>(0x8000));
-    const __mmask32 up = _mm512_cmpgt_epu16_mask(lo, half) |
-                         (_mm512_cmpeq_epi16_mask(lo, half) & _mm512_test_epi16_mask(hi, _mm512_set1_epi16(1)));
-    I out = _mm512_mask_add_epi16(hi, up, hi, _mm512_set1_epi16(1));
+    I out = _mm512_mask_add_epi16(hi, rne_up(lo, hi), hi, _mm512_set1_epi16(1));
     if (__builtin_expect(_mm512_cmp_ps_mask(x0, x1, _CMP_UNORD_Q) != 0, 0))  // as split2: NaN lanes are rare
       out = _mm512_mask_mov_epi16(out, nan2(x0, x1), _mm512_or_si512(hi, _mm512_set1_epi16(0x0040)));
     if (nt) _mm512_stream_si512(reinterpret_cast<__m512i*>(hp), out);
