@@ -791,6 +791,82 @@ def _case_units_called_without_the_root():
         lambda m, b, r, w: m.loss(_rank_rows(b[0], r, 6), _rank_rows(b[1], r, 6)))
     zopt.remove_hooks()
 
+class _Encoder(nn.Module):
+    """Not a unit (BART's encoder): the root's tied embedding, a position embedding of the ``body`` unit, blocks."""
+
+    def __init__(self, shared):
+        super().__init__()
+        self.embed, self.pos = shared, nn.Embedding(6, 16)
+        self.blocks = nn.ModuleList([_HookedBlock() for _ in range(2)])
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, ids=None, embeds=None):
+        h = self.embed(ids) if embeds is None else embeds
+        h = h + self.pos(torch.arange(h.shape[1]))
+        for b in self.blocks:
+            h = b(h)
+        return self.norm(h)
+
+
+class _Body(nn.Module):
+    def __init__(self, shared):
+        super().__init__()
+        self.shared, self.encoder = shared, _Encoder(shared)
+
+    def forward(self, ids=None, embeds=None):
+        return self.encoder(ids, embeds)
+
+
+class _Seq2Seq(nn.Module):
+    """Hugging Face's layout: ``shared`` (a root child tied to the head: root parameters, a unit without hooks),
+    ``model`` (a unit holding the block units), the encoder inside it not a unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Embedding(11, 16)
+        self.model = _Body(self.shared)
+        self.head = nn.Linear(16, 11, bias=False)
+        self.head.weight = self.shared.weight
+
+    def forward(self, ids=None, embeds=None):
+        return self.head(self.model(ids, embeds))
+
+
+def _case_modules_entered_outside_the_root():
+    """[Note: modules entered outside the root's forward]: the input embedding called before the model
+    (``inputs_embeds``) trains within 1e-6 of torch, and the encoder called alone (BART's ``generate``) equals
+    torch's (were: placeholders, torch's shape errors); the units gathered for it are freed after it."""
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randint(0, 11, (3 * world, 6), generator=g), torch.randint(0, 11, (3 * world, 6), generator=g))
+            for _ in range(3)]
+
+    def loss(m, ids, tgt):
+        return F.cross_entropy(m(embeds=m.get_input_embeddings()(ids)).flatten(0, 1), tgt.flatten())
+
+    class _S2S(_Seq2Seq):
+        def get_input_embeddings(self):
+            return self.shared
+
+    ref = _S2S
+    m, zopt = _like_torch(ref, data, lambda m, b: sum(loss(m, _rank_rows(b[0], r, 3), _rank_rows(b[1], r, 3))
+                                                      for r in range(world)).div(world),
+                          lambda m, b, r, w: loss(m, _rank_rows(b[0], r, 3), _rank_rows(b[1], r, 3)))
+    with zopt.gathered():
+        full = {k: v.clone() for k, v in m.state_dict().items()}
+    torch.manual_seed(0)
+    twin = _S2S()
+    twin.load_state_dict(full)
+    ids = data[0][0][:2]
+    before = zopt.memory_report()["gathered_params"]
+    with torch.no_grad():
+        torch.testing.assert_close(m.model.encoder.pos(torch.arange(6)), twin.model.encoder.pos(torch.arange(6)))
+        assert zopt.memory_report()["gathered_params"] == before      # gathered for the call, freed after it
+        torch.testing.assert_close(m.model.encoder(ids), twin.model.encoder(ids), rtol=0, atol=0)
+        torch.testing.assert_close(m(ids), twin(ids), rtol=0, atol=0)
+    zopt.remove_hooks()
+
+
 class _FuncGradBlock(nn.Module):
     """A forward that differentiates inside (an energy model's forces) through torch.func.grad."""
 
@@ -884,6 +960,7 @@ def _world_cases(rank, world, which):
         cases.run("deepcopy is no optimizer's", _case_deepcopy_is_no_optimizers)
         cases.run("parameters used outside their unit", _case_parameters_used_outside_their_unit)
         cases.run("units called without the root", _case_units_called_without_the_root)
+        cases.run("modules entered outside the root's forward", _case_modules_entered_outside_the_root)
         cases.run("torch.func inside forward", _case_torch_func_inside_forward)
         cases.run("in-place modification of a saved tensor", _case_inplace_modification_still_detected)
         cases.run("gradient penalty", _case_gradient_penalty)

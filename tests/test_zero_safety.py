@@ -716,6 +716,44 @@ def test_cast_after_construction_is_an_error_world2(stage, how):
     run_world(_moved_case, 2, stage, how, timeout=180)
 
 
+def _resized_case(rank, world, stage):
+    """An embedding grown after construction (Hugging Face's resize_token_embeddings swaps ``weight.data`` for a
+    larger tensor): stage 1 at step(), stage 2 at the next backward (was: torch's "size of tensor a (10) must match
+    ... (12)" inside the gradient hook), stage 3 when ``zopt.gathered()`` ends (was: the resize silently undone,
+    the next forward failing on the config's new size) raise naming the parameter, both shapes and the fix."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 6), torch.nn.Linear(6, 3))
+    zopt = zk.ZeroAdamW(model, stage=stage, lr=1e-2, timeout=60.0)
+    ids = torch.arange(10).view(2, 5)
+    model(ids).square().mean().backward()
+    zopt.step()
+    zopt.zero_grad()
+    steps = list(zopt.steps)
+    want = r"parameter '0.weight' has shape \(12, 6\), but ZeroAdamW sharded it with shape \(10, 6\).*BEFORE constructing"
+
+    def grow():
+        model[0].weight.data = torch.cat([model[0].weight.data, torch.zeros(2, 6)])
+    if stage == 3:
+        with pytest.raises(RuntimeError, match=want):
+            with zopt.gathered():
+                grow()
+        assert model[0].weight.numel() == 0           # freed again: the model still trains at the old size
+        model(ids).square().mean().backward()
+        zopt.step()
+    else:
+        grow()
+        with pytest.raises(RuntimeError, match=want):
+            model(ids + 2).square().mean().backward()
+            zopt.step()
+        assert zopt.steps == steps
+    zopt.remove_hooks()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_parameter_resized_after_construction_is_an_error_world2(stage):
+    run_world(_resized_case, 2, stage, timeout=180)
+
+
 def _rank0_shard_everywhere(rank, world, stage):
     model = make_model()
     zopt = zk.ZeroAdamW(model, stage=stage, lr=1e-2, timeout=60.0, backend="reference",

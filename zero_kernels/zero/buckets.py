@@ -184,8 +184,22 @@ class FlatBucket:
         """``p`` (one of this bucket's parameters) was cast or moved to another device since construction."""
         return p.dtype != self.dtype or p.device != self.device
 
+    def reshaped(self, p: Tensor, li: int) -> bool:
+        """``p`` (this bucket's parameter li) holds elements but not the shape it was sharded with: its ``.data``
+        was replaced by a tensor of another shape (``model.resize_token_embeddings()``)."""
+        return bool(p.numel()) and tuple(p.shape) != tuple(self.param_specs[li].shape)
+
     def moved_error(self, name: str, p: Tensor) -> RuntimeError:
         """The error for a parameter that is no longer stored in this bucket ([Note: bound parameters])."""
+        li = next((i for i, ps in enumerate(self.param_specs) if ps.name == name), None)
+        if li is not None and self.reshaped(p, li):
+            return RuntimeError(
+                f"parameter {name!r} has shape {tuple(p.shape)}, but ZeroAdamW sharded it with shape "
+                f"{tuple(self.param_specs[li].shape)}: its .data was replaced by a tensor of another shape after "
+                "ZeroAdamW(...) was constructed (model.resize_token_embeddings(), a pruning or growing step), so "
+                "ZeroAdamW's buffers no longer match the model. Nothing was changed. Resize or replace parameters "
+                "BEFORE constructing ZeroAdamW (DeepSpeed and FSDP ask the same), or build a new ZeroAdamW over "
+                "the resized model (load_checkpoint cannot adopt the new shape either).")
         return RuntimeError(
             f"parameter {name!r} is no longer stored in ZeroAdamW's buffers (it is {p.dtype} on {p.device}; "
             f"ZeroAdamW keeps it as {self.dtype} on {self.device}): the model was cast or moved (model.to(...), "

@@ -144,7 +144,7 @@ class Stage2Reducer:
     # ---- during backward ------------------------------------------------------------------------
     @torch.no_grad()
     def on_grad(self, b: FlatBucket, li: int, p: torch.nn.Parameter) -> None:
-        if b.recast(p):         # cast after construction: say so before torch's grad-dtype error, nothing taken
+        if b.recast(p) or b.reshaped(p, li):   # cast or resized after construction: say so before torch's error
             raise b.moved_error(b.param_specs[li].name, p)
         if not self.in_backward:
             self.in_backward = True

@@ -251,6 +251,10 @@ class Stage3(HookReduced):
         self.runtime.pinned += 1                # a forward inside keeps the units (its post-hooks would free them)
         try:
             yield
+            for b in self.ctx.buckets:          # a .data replaced inside (resize_token_embeddings): not adoptable
+                moved = b.moved_param()
+                if moved is not None:
+                    raise b.moved_error(*moved)
             with torch.no_grad():               # [Note: writes to stage-3 parameters] in unit_bucket.py
                 for b in self.ctx.buckets:
                     b.writeback()

@@ -32,7 +32,7 @@ from .grad_guard import UNWRAPPED
 from .timeouts import scoped
 from .unit_bucket import FREE, GATHERED, UnitBucket, cache_module, copied_placeholder, copied_placeholder_error
 from .unit_hold import BackwardHold
-from .unit_outside import OutsideUseProbe, freed_units_note, placeholder_error, under_torch_compile
+from .unit_outside import OutsideUseProbe, entry_modules, freed_units_note, placeholder_error, under_torch_compile
 from .unit_saved import SavedUnitTensors
 
 __all__ = ["UnitRuntime"]
@@ -94,6 +94,13 @@ class UnitRuntime:
             if u.buckets or u.index == 0:
                 self.handles.append(u.module.register_forward_hook(
                     torch.compiler.disable(self._quiet(self._forward_exit(u))), always_call=True))
+        # [Note: modules entered outside the root's forward] in unit_outside.py
+        self._entered: dict[int, list[list[_Unit]]] = {}     # id(module) -> the units each open call gathered
+        owner_of = {id(p): u.index for u in self.units for b in u.buckets for p in b.params}
+        hooked = [u.module if u.buckets or u.index == 0 else None for u in self.units]
+        for m, owners in entry_modules(self.units[0].module, hooked, owner_of):
+            self.handles.append(m.register_forward_pre_hook(self._entry_pre_hook(m, owners), prepend=True))
+            self.handles.append(m.register_forward_hook(self._entry_exit_hook(m), always_call=True))
         # [Note: parameters used outside their unit] in unit_outside.py: the first forward's probe
         self.hooks_running = 0                # > 0 while one of these hooks runs (the probe ignores them)
         self.probe: OutsideUseProbe | None = None
@@ -253,6 +260,48 @@ class UnitRuntime:
                 self._free_unit(u)
             return None
         return hook
+
+    def _entry_pre_hook(self, m: nn.Module, owners: list[int]):
+        """[Note: modules entered outside the root's forward]: inside the root's forward, nothing."""
+        units = [self.units[i] for i in dict.fromkeys([0, *owners])]
+        enter = torch.compiler.disable(scoped(self.timeout, self.group, self._quiet(self._entry_gather)))
+
+        def hook(module, args):
+            if self._in_forward or module is not m:
+                return None
+            enter(m, units)
+            return None
+        return hook
+
+    def _entry_gather(self, m: nn.Module, units: list[_Unit]) -> None:
+        took = [u for u in units if any(b.gather_state == FREE for b in u.buckets)]
+        for u in units:
+            self._ensure(u)
+        if _in_backward():                      # checkpoint recomputation: kept as the units' own hooks keep them
+            took = []
+        self._entered.setdefault(id(m), []).append(took)
+        if self.saved.owner is None:
+            self.saved.enter(m)
+
+    def _entry_exit_hook(self, m: nn.Module):
+        leave = torch.compiler.disable(self._quiet(self._entry_free))
+
+        def hook(module, args, output):
+            if self._in_forward or module is not m or id(m) not in self._entered:
+                return None
+            leave(m)
+            return None
+        return hook
+
+    def _entry_free(self, m: nn.Module) -> None:
+        if self.saved.owner is m:
+            self.saved.exit()
+        calls = self._entered[id(m)]
+        took = calls.pop()
+        if not calls:
+            del self._entered[id(m)]
+        for u in took:
+            self._free_unit(u)
 
     def _quiet(self, fn):
         """``fn`` with ``hooks_running`` raised while it runs (the probe leaves the runtime's own calls alone)."""

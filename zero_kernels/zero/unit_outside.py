@@ -24,6 +24,20 @@ naming the units that were freed at that point (:func:`freed_units_note`). Under
 probe does not run (:func:`under_torch_compile`; FSDP2 has no such probe at all).
 A unit's forward entered outside the root's forward (CLIP's ``model.encode_image(x)`` while the model
 itself is never called) gathers the root too: its parameters (``logit_scale``) are used by the caller.
+
+[Note: modules entered outside the root's forward]
+Outside the root's forward, a module that is not a unit but registers parameters of one runs on
+placeholders unless something gathers them: Hugging Face's ``model.get_input_embeddings()(ids)``
+(``inputs_embeds``, prompt tuning) and BART's ``generate()``, which calls ``model.get_encoder()(...)``
+(the encoder is not a unit: its embedding is the root's, tied to the head; its positions are the
+``model`` unit's) before any forward of the model. Such modules (:func:`entry_modules`: those that
+register parameters of the root or of a unit holding other units; a transformer block's insides are
+entered through the block) get a pre-hook that, outside the root's forward, gathers the root and the
+units whose parameters the module registers, pushes the saved-tensor hooks when none are active
+([Note: tensors saved from a unit]), and frees after the module's forward exactly the units it
+gathered (FSDP2's unshard / reshard around a module; a backward through the output gathers again by
+those hooks and by the per-parameter gradient hooks). Inside the root's forward the hook returns at
+once (under ``torch.compile`` it is traced as that check).
 """
 from __future__ import annotations
 
@@ -36,7 +50,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["OutsideUseProbe", "freed_units_note", "placeholder_error", "under_torch_compile"]
+__all__ = ["OutsideUseProbe", "entry_modules", "freed_units_note", "placeholder_error", "under_torch_compile"]
 
 
 # Calls that read a tensor's metadata, not its values (HF's ``self.dtype`` reads ``next(parameters()).dtype``):
@@ -115,3 +129,25 @@ def freed_units_note(names: list[str]) -> str:
             "outside its unit in a way the first forward did not show ([Note: parameters used outside their "
             "unit]): run that code path in the first forward, or choose the units with `wrap=` so that the "
             "parameter's module is not a unit of its own (its parameters then belong to the root).")
+
+
+def entry_modules(model: nn.Module, unit_modules: list[nn.Module | None], unit_of: dict[int, int]
+                  ) -> list[tuple[nn.Module, list[int]]]:
+    """[Note: modules entered outside the root's forward]: (module, indices of the units whose parameters it
+    registers) for every module that is not a unit with hooks and registers a parameter of the root (unit 0) or
+    of a unit enclosing another unit. ``unit_modules[i]``: unit i's module, None for a unit without parameters of
+    its own (a head tied to the embedding: no hooks); ``unit_of``: id(parameter) -> its unit."""
+    is_unit = {id(m) for m in unit_modules if m is not None}
+    containers = {0}
+    for i, m in enumerate(unit_modules[1:], start=1):
+        if m is not None and any(id(d) in is_unit for d in m.modules() if d is not m):
+            containers.add(i)
+    out, seen = [], set()
+    for m in model.modules():
+        if id(m) in is_unit or id(m) in seen:
+            continue
+        seen.add(id(m))
+        owners = sorted({unit_of[id(p)] for p in m._parameters.values() if p is not None and id(p) in unit_of})
+        if any(i in containers for i in owners):
+            out.append((m, owners))
+    return out
