@@ -316,6 +316,8 @@ def test_remainder_masters_go_with_a_model_cast_to_fp32(fmt):
     m.float()
     o2 = zk.FusedAdamW(m.parameters(), backend="cpu", **fmt)
     o2.load_state_dict(sd)
+    # taken at the load (an evaluation before the next step saw the bf16 rounding with fp32 states: a user probe)
+    assert all(torch.equal(p.detach(), w) for p, w in zip(m.parameters(), masters))
     o2.param_groups[0].update(lr=0.0, weight_decay=0.0)      # (the load restored the saved ones)
     for p in m.parameters():
         p.grad = torch.zeros_like(p)

@@ -267,8 +267,9 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         for p, sid in loaded["pairs"]:
             if coded and sid in saved:      # torch cast the codes to the parameter's dtype: restore them
                 self.state[p].update({k: v for k, v in saved[sid].items() if k != "step"})
-                if p.dtype == torch.float32 and "master_param" in self.state[p]:   # saved 16-bit, fp32 now
-                    self._adopt_master_after_cast(p, self.state[p])
+            if (sid in saved and p.dtype == torch.float32 and not self._uses_master(p)
+                    and "master_param" in self.state[p]):      # saved 16-bit, fp32 now: taken at the load, so an
+                self._adopt_master_after_cast(p, self.state[p])   # evaluation before the next step sees it
             if coded or not self._uses_master(p) or sid not in saved:
                 continue
             for k in _FP32_STATE_KEYS:
