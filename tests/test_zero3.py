@@ -867,6 +867,25 @@ def _case_modules_entered_outside_the_root():
     zopt.remove_hooks()
 
 
+def _case_write_lost_while_left_gathered():
+    """A unit called outside the model's forward leaves the root gathered; a write to a root parameter then, outside
+    zopt.gathered(), is lost when the root is freed: the next gather says so, naming it (was: lost silently)."""
+    torch.manual_seed(0)
+    m = _Seq2Seq()
+    zopt = zk.ZeroAdamW(m, stage=3, lr=1e-2, timeout=60)
+    ids = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        m.model(ids)                            # a unit entered outside the forward: the root stays gathered
+        m.shared.weight[0].fill_(7.0)          # written there, outside zopt.gathered()
+        m(ids)                                  # freed at the end of this forward (no backward)
+        with pytest.raises(RuntimeError, match="'shared.weight' was written in place while ZeRO-3 held it gathered"):
+            m(ids)
+        m(ids)                                  # said once: the run goes on
+    with zopt.gathered():
+        assert not bool((m.shared.weight[0] == 7.0).all())
+    zopt.remove_hooks()
+
+
 class _FuncGradBlock(nn.Module):
     """A forward that differentiates inside (an energy model's forces) through torch.func.grad."""
 
@@ -961,6 +980,7 @@ def _world_cases(rank, world, which):
         cases.run("parameters used outside their unit", _case_parameters_used_outside_their_unit)
         cases.run("units called without the root", _case_units_called_without_the_root)
         cases.run("modules entered outside the root's forward", _case_modules_entered_outside_the_root)
+        cases.run("a write lost while left gathered", _case_write_lost_while_left_gathered)
         cases.run("torch.func inside forward", _case_torch_func_inside_forward)
         cases.run("in-place modification of a saved tensor", _case_inplace_modification_still_detected)
         cases.run("gradient penalty", _case_gradient_penalty)

@@ -749,6 +749,32 @@ def _resized_case(rank, world, stage):
     zopt.remove_hooks()
 
 
+def _added_case(rank, world, stage):
+    """A module replaced after construction (Hugging Face's resize of an untied head makes a new nn.Linear): its
+    parameters are no ZeRO optimizer's; once they have a gradient, step() and clip_grad_norm_ raise naming them
+    (was: trained never, silently, as by a torch.optim.AdamW built before the change), before any change."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 6), torch.nn.Linear(6, 3))
+    zopt = zk.ZeroAdamW(model, stage=stage, lr=1e-2, timeout=60.0)
+    ids = torch.arange(10).view(2, 5)
+    model(ids).square().mean().backward()
+    zopt.step()
+    zopt.zero_grad()
+    steps = list(zopt.steps)
+    model[1] = torch.nn.Linear(6, 4)
+    model(ids).square().mean().backward()
+    for call in (lambda: zopt.clip_grad_norm_(1.0), zopt.step):
+        with pytest.raises(ValueError, match=r"parameter '1.weight' is not one of the ZeRO optimizer's.*Nothing was changed"):
+            call()
+    assert zopt.steps == steps
+    zopt.remove_hooks()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_module_replaced_after_construction_is_an_error_world2(stage):
+    run_world(_added_case, 2, stage, timeout=180)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_parameter_resized_after_construction_is_an_error_world2(stage):
     run_world(_resized_case, 2, stage, timeout=180)

@@ -197,7 +197,8 @@ class FlatBucket:
                 f"parameter {name!r} has shape {tuple(p.shape)}, but ZeroAdamW sharded it with shape "
                 f"{tuple(self.param_specs[li].shape)}: its .data was replaced by a tensor of another shape after "
                 "ZeroAdamW(...) was constructed (model.resize_token_embeddings(), a pruning or growing step), so "
-                "ZeroAdamW's buffers no longer match the model. Nothing was changed. Resize or replace parameters "
+                "ZeroAdamW's buffers no longer match the model. ZeroAdamW's buffers and states were not changed. "
+                "Resize or replace parameters "
                 "BEFORE constructing ZeroAdamW (DeepSpeed and FSDP ask the same), or build a new ZeroAdamW over "
                 "the resized model (load_checkpoint cannot adopt the new shape either).")
         return RuntimeError(

@@ -17,7 +17,7 @@ from .build import bind, plan
 from .config import ZeroConfig
 from .mesh import broadcast_from_first, resolve_mesh
 from .ownership import claim, release
-from .params import check_frozen
+from .params import check_added, check_frozen
 from .scaling import StepScaling
 from .stage3 import Stage3
 from .state_dict import (agree_to_load, apply_shard, check_shard, full_model_state_dict, shard_identity,
@@ -86,6 +86,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._claimed = [p for _, p in plan_.params.trainable]          # [Note: one ZeroAdamW per parameter]
         self._claim = claim(self._claimed, type(self).__name__, cfg.stage)
         self._frozen_named = plan_.params.frozen        # unfrozen since and given a gradient: refused
+        self._model_ids = {id(p) for p in model.parameters()}          # added since and given a gradient: refused
         self.steps = [0] * len(self.layout.params)      # per parameter, like torch's state["step"]
         ctx = StrategyContext(model, self.buckets, self.layout, [p for _, p in self._frozen_named], cfg,
                               process_group, self.rank, self.world_size, zmesh)
@@ -174,6 +175,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         ([Note: gradient placeholders] in grad_guard.py)."""
         self._check_attached("clip_grad_norm_()")
         check_frozen(self._frozen_named)
+        check_added(self.module, self._model_ids)
         self.strategy.check_grads()
         self._reduce_all()
         total = global_norm(self.buckets, self.rank, float(norm_type), self.process_group, self._device)
@@ -206,6 +208,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.strategy.wait_for_params()                 # the step writes the slices the gathers read
         check_bound(self.buckets)                       # [Note: bound parameters] (buckets.py)
         check_frozen(self._frozen_named)                # a parameter unfrozen since construction
+        check_added(self.module, self._model_ids)       # ... or added / replaced since
         check_amsgrad(self.param_groups, self.buckets)  # set on a group since construction
         if closure is None:
             self.scaling.check_scaled()                 # a loss scale needs zopt.scale_loss(loss).backward()

@@ -101,6 +101,20 @@ def check_frozen(frozen: list[tuple[str, nn.Parameter]]) -> None:
                 "freeze it again (its leftover gradient is then ignored). Nothing was changed.")
 
 
+def check_added(model: nn.Module, known: set[int]) -> None:
+    """ValueError when a trainable parameter of the model that was not the model's at construction (``known``: the
+    ids of its parameters then) has a gradient: it was added or replaced since (Hugging Face's
+    ``resize_token_embeddings`` replaces an untied output head with a new module), so the step would leave it
+    untrained without a word, as torch.optim.AdamW built before the change would."""
+    for n, p in model.named_parameters():
+        if id(p) not in known and p.requires_grad and p.grad is not None:
+            raise ValueError(
+                f"parameter {n!r} is not one of the ZeRO optimizer's: it was added to the model or replaced (a new "
+                "module or nn.Parameter; model.resize_token_embeddings() replaces an untied output head) after the "
+                "optimizer was built, and it has a gradient now: step() would leave it untrained. Build the "
+                "optimizer after changing the model (the layout is fixed at construction). Nothing was changed.")
+
+
 def _group_params(gi: int, g: dict, mp: ModelParams, group_of: dict[int, int]):
     """(trainable Parameters of param_groups[gi], error)."""
     by_name = {n: p for n, p in mp.uniq}

@@ -258,6 +258,10 @@ class Stage3(HookReduced):
             with torch.no_grad():               # [Note: writes to stage-3 parameters] in unit_bucket.py
                 for b in self.ctx.buckets:
                     b.writeback()
+        except BaseException:
+            for b in self.ctx.buckets:          # left by an exception: its writes are dropped as documented, so
+                b.record_versions()             # the free below does not report them as lost (UnitBucket.free)
+            raise
         finally:
             self.runtime.pinned -= 1
             if not self.runtime.pinned:

@@ -47,6 +47,15 @@ FREE, GATHERING, GATHERED = 0, 1, 2
 # Writes through ``p.data`` bypass the counter (nothing detects them, as for stages 1-2).
 
 
+def lost_write_error(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"parameter {name!r} was written in place while ZeRO-3 held it gathered outside `zopt.gathered()` (a "
+        "module of the model called outside its forward leaves the root unit gathered until the next forward), and "
+        "the gathered copy was freed since, so the write was lost ([Note: writes to stage-3 parameters]). Write "
+        "parameters inside `with zopt.gathered():` (on every rank, the same values; each rank keeps its slice when "
+        "the block ends), or load them with zopt.load_checkpoint(...). Nothing was changed.")
+
+
 def placeholder_write_error(name: str) -> RuntimeError:
     return RuntimeError(
         f"parameter {name!r} was written in place (torch.nn.init, model.apply(init_fn), p.mul_(...), ...) while "
@@ -137,6 +146,8 @@ class UnitBucket(FlatBucket):
         self.ag = None                                       # AllGatherResult in flight
         self.s3_arrived: set[int] = set()                    # params with a gradient this backward
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.lost_write: str | None = None                   # written while gathered and lost at a free
+        self.record_versions()
         self.free()
 
     @property
@@ -150,6 +161,9 @@ class UnitBucket(FlatBucket):
 
     def placeholder_error(self) -> RuntimeError | None:
         """The error naming a parameter written in place while freed ([Note: writes to stage-3 parameters])."""
+        if self.lost_write is not None:             # written while gathered, then freed (free)
+            name, self.lost_write = self.lost_write, None
+            return lost_write_error(name)
         name = self.written_param() if self.gather_state == FREE else None
         if name is None:
             return None
@@ -169,6 +183,7 @@ class UnitBucket(FlatBucket):
             return
         self.shard.copy_(mine)
         super().adopt_edits(force=True)         # the master slice brought to the written shard
+        self.record_versions()                  # adopted: not a lost write when freed (fp32: no master to adopt)
 
     def _is_view(self, p: Tensor, ps) -> bool:
         # freed (or still gathering): parameters are the empty placeholder, which has no elements
@@ -203,6 +218,8 @@ class UnitBucket(FlatBucket):
     def free(self) -> None:
         if self.gather_state == FREE:
             return
+        if self.gather_state == GATHERED and self.lost_write is None:
+            self.lost_write = self.written_param()      # said by the next gather's check (placeholder_error)
         if self.gather_state == GATHERING:
             C.wait(self.ag)
             self.ag = None
