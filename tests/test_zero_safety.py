@@ -716,11 +716,8 @@ def test_cast_after_construction_is_an_error_world2(stage, how):
     run_world(_moved_case, 2, stage, how, timeout=180)
 
 
-def _resized_case(rank, world, stage):
-    """An embedding grown after construction (Hugging Face's resize_token_embeddings swaps ``weight.data`` for a
-    larger tensor): stage 1 at step(), stage 2 at the next backward (was: torch's "size of tensor a (10) must match
-    ... (12)" inside the gradient hook), stage 3 when ``zopt.gathered()`` ends (was: the resize silently undone,
-    the next forward failing on the config's new size) raise naming the parameter, both shapes and the fix."""
+def _embedding_model_after_a_step(stage):
+    """(model, ZeroAdamW, ids, its step counts) after one step of an Embedding(10, 6) -> Linear(6, 3) model."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(10, 6), torch.nn.Linear(6, 3))
     zopt = zk.ZeroAdamW(model, stage=stage, lr=1e-2, timeout=60.0)
@@ -729,6 +726,15 @@ def _resized_case(rank, world, stage):
     zopt.step()
     zopt.zero_grad()
     steps = list(zopt.steps)
+    return model, zopt, ids, steps
+
+
+def _resized_case(rank, world, stage):
+    """An embedding grown after construction (Hugging Face's resize_token_embeddings swaps ``weight.data`` for a
+    larger tensor): stage 1 at step(), stage 2 at the next backward (was: torch's "size of tensor a (10) must match
+    ... (12)" inside the gradient hook), stage 3 when ``zopt.gathered()`` ends (was: the resize silently undone,
+    the next forward failing on the config's new size) raise naming the parameter, both shapes and the fix."""
+    model, zopt, ids, steps = _embedding_model_after_a_step(stage)
     want = r"parameter '0.weight' has shape \(12, 6\), but ZeroAdamW sharded it with shape \(10, 6\).*BEFORE constructing"
 
     def grow():
@@ -753,14 +759,7 @@ def _added_case(rank, world, stage):
     """A module replaced after construction (Hugging Face's resize of an untied head makes a new nn.Linear): its
     parameters are no ZeRO optimizer's; once they have a gradient, step() and clip_grad_norm_ raise naming them
     (was: trained never, silently, as by a torch.optim.AdamW built before the change), before any change."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(10, 6), torch.nn.Linear(6, 3))
-    zopt = zk.ZeroAdamW(model, stage=stage, lr=1e-2, timeout=60.0)
-    ids = torch.arange(10).view(2, 5)
-    model(ids).square().mean().backward()
-    zopt.step()
-    zopt.zero_grad()
-    steps = list(zopt.steps)
+    model, zopt, ids, steps = _embedding_model_after_a_step(stage)
     model[1] = torch.nn.Linear(6, 4)
     model(ids).square().mean().backward()
     for call in (lambda: zopt.clip_grad_norm_(1.0), zopt.step):
