@@ -86,10 +86,14 @@ def timeout_message(kind, tag, group, timeout, waited, err) -> str:
     n = dist.get_world_size(group) if dist.is_initialized() else 1
     r = dist.get_rank(group) if dist.is_initialized() else 0
     why = str(err).strip().splitlines()[0][:200] if err is not None else "timed out"
+    unit = (" A ZeRO-3 unit's gather: every rank must run the model (or the unit) too; a forward, generate() or "
+            "evaluation on some ranks only (`if rank == 0:`) waits here. Run it on every rank (others may drop "
+            "the result), or evaluate a plain copy built from zopt.full_model_state_dict() (every rank calls it)."
+            if isinstance(tag, tuple) and tag[:1] == ("unit",) else "")
     return (f"{kind} (tag {tag!r}) over a process group of {n} ranks did not complete on rank {r} "
             f"after {waited:.1f} s (timeout {timeout.total_seconds():g} s): {why}. Likely cause: another "
             "rank of the group died, is hung, or never reached this collective (e.g. it skipped step() "
-            "or exited early); check the other ranks' logs.")
+            f"or exited early); check the other ranks' logs.{unit}")
 
 
 def scoped(timeout, group, fn):
