@@ -19,8 +19,9 @@
 // ---------------------------------------------------------------- 8-bit moment codes (codecs.py Note 2)
 // m: per block inv = 127 * 2^15 / scale, 0 unless finite; q = rint(m * inv), int8 code = clamp((q + r) >> 15,
 // -127, 127) with r = ((i * 0x9E3779B1 + key) mod 2^32) >> 17 (15 random bits: a Weyl sequence over the flat
-// index i, advanced by one add per vector; stochastic rounding), decoded with scale / 127. rint by the magic number 1.5 * 2^23 (|y| <= 2^22): one fp32 add rounds
-// half to even and leaves the integer plus the magic's bits in the bits (st_u8 keeps the code's low 8).
+// index i, advanced by one add per vector; stochastic rounding), decoded with scale / 127. rint by the magic
+// number 1.5 * 2^23 (|y| <= 2^22): one fp32 add rounds half to even and leaves the integer plus the magic's bits
+// in the bits (st_u8 keeps the code's low 8).
 // v: a log code of s = sqrt(v) on the int32 bits: code = max(((bits(s) - bits(scale)) + 255 * 2^19 +
 // 2^18) >> 19, 1), 0 where s == 0 or the scale is not finite; decoded s' = bits((code << 19) +
 // bits(scale) - 255 * 2^19) (0 for code 0), v' = s' * s'.

@@ -76,7 +76,7 @@ import torch
 from torch import Tensor, nn
 
 from . import collectives as C
-from .buckets import FlatBucket
+from .buckets import FlatBucket, check_bound
 from .grad_guard import local_grad
 from .heap import release_free_heap
 from .hooks import Stage2Reducer
@@ -251,10 +251,7 @@ class Stage3(HookReduced):
         self.runtime.pinned += 1                # a forward inside keeps the units (its post-hooks would free them)
         try:
             yield
-            for b in self.ctx.buckets:          # a .data replaced inside (resize_token_embeddings): not adoptable
-                moved = b.moved_param()
-                if moved is not None:
-                    raise b.moved_error(*moved)
+            check_bound(self.ctx.buckets)       # a .data replaced inside (resize_token_embeddings): not adoptable
             with torch.no_grad():               # [Note: writes to stage-3 parameters] in unit_bucket.py
                 for b in self.ctx.buckets:
                     b.writeback()

@@ -142,11 +142,10 @@ def entry_modules(model: nn.Module, unit_modules: list[nn.Module | None], unit_o
     for i, m in enumerate(unit_modules[1:], start=1):
         if m is not None and any(id(d) in is_unit for d in m.modules() if d is not m):
             containers.add(i)
-    out, seen = [], set()
-    for m in model.modules():
-        if id(m) in is_unit or id(m) in seen:
+    out = []
+    for m in model.modules():           # each module once (a shared one too)
+        if id(m) in is_unit:
             continue
-        seen.add(id(m))
         owners = sorted({unit_of[id(p)] for p in m._parameters.values() if p is not None and id(p) in unit_of})
         if any(i in containers for i in owners):
             out.append((m, owners))
