@@ -479,15 +479,83 @@ def test_state_dict_names_its_8bit_code_and_load_checks_it():
     o = opt_run(a, HP[0], 2, 13, "reference", f)
     sd = o.state_dict()
     assert sd["u8_code"] == C.U8_CODE
-    assert "u8_code" not in opt_run(params_of(12, BF), HP[0], 2, 13, "reference", {}).state_dict()
+    assert [g["u8_code"] for g in sd["param_groups"]] == [C.U8_CODE]        # the groups name it too (DCP keeps them)
+    fp32 = opt_run(params_of(12, BF), HP[0], 2, 13, "reference", {}).state_dict()
+    assert "u8_code" not in fp32 and "u8_code" not in fp32["param_groups"][0]
     before = [{k: v.clone() for k, v in o.state[p].items()} for p in a]
-    untagged = {k: v for k, v in sd.items() if k != "u8_code"}
-    for bad, msg in ((untagged, "no code tag"), ({**sd, "u8_code": "v8-fourth-root"}, "'v8-fourth-root'")):
+
+    def tagged(top, group):
+        out = {k: v for k, v in sd.items() if k != "u8_code"} | ({} if top is None else {"u8_code": top})
+        groups = [{k: v for k, v in g.items() if k != "u8_code"} | ({} if group is None else {"u8_code": group})
+                  for g in sd["param_groups"]]
+        return out | {"param_groups": groups}
+    for bad, msg in ((tagged(None, None), "no code tag"), (tagged("v8-fourth-root", None), "'v8-fourth-root'"),
+                     (tagged(None, "v8-fourth-root"), "'v8-fourth-root'"),
+                     (tagged(C.U8_CODE, "v8-fourth-root"), "'v8-fourth-root'")):
         for target in (o, make(params_of(12, BF), HP[0], "reference")):      # coded and fp32 optimizers alike
             with pytest.raises(ValueError, match=msg):
                 target.load_state_dict(bad)
     assert all(torch.equal(bits(v), bits(o.state[p][k])) for p, st in zip(a, before) for k, v in st.items())
     o.load_state_dict(sd)                                 # the tagged one loads
+    o.load_state_dict(tagged(None, C.U8_CODE))            # so does the groups' tag alone (DCP's form)
+    assert all("u8_code" not in g for g in o.param_groups)          # the live groups never hold it
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_state_dict_round_trip_of_coded_states(tmp_path):
+    """torch.distributed.checkpoint's state-dict API (get / set_optimizer_state_dict keep only ``state`` and
+    ``param_groups``, so the top-level ``u8_code`` is dropped) and dcp.save / dcp.load of it: every format loads
+    and training goes on bit for bit, as after a plain state-dict round trip (a user probe: uint8 moments were
+    refused as an earlier build's). With flatten_optimizer_state_dict=True torch rebuilds states by the live names:
+    bf16 moments go through, blockwise codes (saved as exp_avg_codes) are refused naming the option."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    def run(fmt, model, opt, steps, seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            opt.step()
+
+    for name in ("8bit", "8bit+rem", "bf16", "fp8"):
+        f = FORMATS[name]
+        dt = BF if f.get("store_param_remainders") else torch.float32
+
+        def build():
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 7)).to(dt)
+            return m, zk.FusedAdamW(m.parameters(), lr=1e-2, backend="reference", **f)
+        ma, oa = build()
+        run(f, ma, oa, 2, 1)
+        for flat in (False, True):
+            opts = StateDictOptions(flatten_optimizer_state_dict=flat)
+            osd = get_optimizer_state_dict(ma, oa, options=opts)
+            assert "u8_code" not in osd
+            where = str(tmp_path / f"{name}-{flat}")
+            dcp.save({"optim": osd}, checkpoint_id=where)
+            mb, ob = build()
+            mb.load_state_dict(ma.state_dict())
+            target = {"optim": get_optimizer_state_dict(mb, ob, options=opts)}
+            dcp.load(target, checkpoint_id=where)
+            if flat and name != "bf16":      # codes are saved as exp_avg_codes; torch rebuilds by the live names
+                before = {(id(p), k): v.clone() for p, st in ob.state.items() for k, v in st.items()}
+                with pytest.raises(ValueError, match="flatten_optimizer_state_dict=False"):
+                    set_optimizer_state_dict(mb, ob, target["optim"], options=opts)
+                assert all(torch.equal(v, before[id(p), k]) for p, st in ob.state.items() for k, v in st.items())
+                continue
+            set_optimizer_state_dict(mb, ob, target["optim"], options=opts)
+            assert all("u8_code" not in g for g in ob.param_groups)
+            ma2, oa2 = build()                    # the plain state-dict round trip beside it
+            ma2.load_state_dict(ma.state_dict())
+            oa2.load_state_dict(oa.state_dict())
+            run(f, ma2, oa2, 2, 2)
+            run(f, mb, ob, 2, 2)
+            for pa, pb in zip(ma2.parameters(), mb.parameters()):
+                assert torch.equal(bits(pa), bits(pb)), (name, flat)
+                for k, v in oa2.state[pa].items():
+                    assert torch.equal(bits(v), bits(ob.state[pb][k])), (name, flat, k)
 
 
 def test_fp32_checkpoint_into_coded_optimizer_converts_as_the_codecs_define():

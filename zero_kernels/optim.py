@@ -209,7 +209,8 @@ class FusedAdam(TracedStep, torch.optim.Optimizer):
         """torch's state dict, blockwise codes under their saved names (``exp_avg_codes``, ...: [Note: coded
         state dicts] in optim_coded.py), plus ``"u8_code"`` (codecs.U8_CODE) when a state holds uint8 moment
         codes: the code they are in, checked by load_state_dict before anything is decoded. Done as the first
-        state-dict post-hook: the user's post-hooks (``register_state_dict_post_hook``) see the dict returned."""
+        state-dict post-hook: the user's post-hooks (``register_state_dict_post_hook``) see the dict returned.
+        Each of its ``param_groups`` names the code too (torch's DCP state-dict API keeps only those)."""
         handle = self.register_state_dict_post_hook(_saved_form, prepend=True)
         try:
             return super().state_dict()
@@ -551,6 +552,8 @@ def _saved_form(opt: FusedAdam, sd: dict[str, Any]) -> dict[str, Any]:
     """FusedAdam.state_dict's post-hook: coded states under their saved names, and the 8-bit code's name."""
     if codecs.holds_u8_moments(sd["state"].values()):
         sd["u8_code"] = codecs.U8_CODE
+        for g in sd["param_groups"]:           # torch's DCP state-dict API keeps these ([Note: coded state dicts])
+            g["u8_code"] = codecs.U8_CODE
     sd["state"] = {i: _own_step(optim_coded.saved_form(st)) for i, st in sd["state"].items()}
     return sd
 

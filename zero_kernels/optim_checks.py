@@ -108,6 +108,12 @@ def check_no_shared_memory(gi: int, tensors: list[Any], others: list[tuple[int, 
     the group, or ``others``: (group, index, tensor) of the groups before) without being it: a fused step
     updates every parameter from its value before the step, where torch.optim.AdamW updates one after the
     other, each seeing the other's write (so the result would differ without a word)."""
+    earlier = {id(t): (g, i) for g, i, t in others}
+    for i, t in enumerate(tensors):
+        if id(t) in earlier:        # torch's own message names no parameter
+            g, j = earlier[id(t)]
+            raise ValueError(f"param_groups[{gi}]['params'][{i}] is param_groups[{g}]['params'][{j}] too: a parameter "
+                             "belongs to one group (torch.optim refuses it as well); remove it from one of them")
     where = [(gi, i, t) for i, t in enumerate(tensors) if isinstance(t, Tensor)] + list(others)
     pair = overlapping_pair([t for _, _, t in where])
     if pair is None:

@@ -22,6 +22,12 @@ load_state_dict casts every state tensor to the parameter's dtype, so codes unde
 be loaded as moments (uint8 codes as 0-255, fp8 codes unscaled) without a word; under these names torch's first
 step raises KeyError 'exp_avg'.
 ``load_state_dict`` maps them back (``live_form``), and still reads codes saved under the plain names.
+With uint8 codes the state dict names their code (``"u8_code"``: codecs.U8_CODE) at its top level and in each
+of its ``param_groups``: torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (DCP) keep only
+``state`` and ``param_groups``, so the groups' tag is what reaches the load's check through
+them; the load takes it out of the groups before torch's load (the live groups never hold it). DCP's
+``flatten_optimizer_state_dict=True`` rebuilds each state by the live names, so it loses the codes (saved names):
+the load refuses the empty states it brings, naming the option.
 
 Loading a state dict saved in another format (torch.optim.AdamW or an fp32 FusedAdamW into a coded
 optimizer, or a coded one into an fp32 optimizer) CONVERTS each state exactly as the codecs define:
@@ -143,6 +149,12 @@ def _check_saved(where: str, saved: dict[str, Any], p: Tensor) -> None:
     for k, t in saved.items():
         if k == "step":
             continue
+        if isinstance(t, dict) and not t and k in _MOMENTS:
+            raise ValueError(f"{where}: state {k!r} is an empty dict: torch.distributed.checkpoint's "
+                             "flatten_optimizer_state_dict=True rebuilds each state by the optimizer's live state "
+                             f"names, and blockwise codes are saved as {_CODES[k]!r} ([Note: coded state dicts]), so "
+                             "it lost them; save and load with flatten_optimizer_state_dict=False (the default). "
+                             "Nothing was loaded.")
         if not isinstance(t, Tensor):
             raise ValueError(f"{where}: state {k!r} is a {type(t).__name__}, not a tensor. Nothing was loaded.")
         want = (-(-p.numel() // codecs.BLOCK),) if k.endswith("_scale") else tuple(p.shape)
@@ -223,10 +235,14 @@ def convert_state_dict(state_dict: dict[str, Any], param_groups: list[dict], fmt
     Raises ValueError before anything is loaded."""
     saved = {i: live_form(f"state_dict['state'][{i}]", st) if isinstance(st, dict) else st
              for i, st in state_dict["state"].items()}
+    groups = [dict(g) for g in state_dict["param_groups"]]
+    tags = {g.pop("u8_code", None) for g in groups} | {state_dict.get("u8_code")}   # DCP keeps the groups' only
     if codecs.holds_u8_moments(st for st in saved.values() if isinstance(st, dict)):
-        why = codecs.u8_code_problem(state_dict.get("u8_code"))
-        if why is not None:
-            raise ValueError(f"state_dict: {why}. Nothing was loaded.")
+        for tag in sorted(tags - {None}) or [None]:
+            why = codecs.u8_code_problem(tag)
+            if why is not None:
+                raise ValueError(f"state_dict: {why}. Nothing was loaded.")
+    state_dict = {**state_dict, "param_groups": groups}
     ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     params = [p for g in param_groups for p in g["params"]]
     if len(ids) != len(params):

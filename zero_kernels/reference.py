@@ -102,7 +102,10 @@ def compute_coeffs(steps: list[Tensor] | Tensor, lr: float | Tensor, beta1: floa
     elif isinstance(lr_t, Tensor):
         decay = (1 - lr_t * weight_decay).expand_as(step_size)
     else:
-        decay = torch.full_like(step_size, 1 - lr_t * weight_decay)
+        # 1 - lr * wd in doubles (Python's operations, one rounding to fp32 later), by tensor ops: under
+        # torch.compile a float lr that changed twice becomes a SymFloat, and Inductor baked the fill value of
+        # full_like(step_size, 1 - lr * wd) at its second value (a stale decay, silently; torch 2.13)
+        decay = (1 - torch.ones_like(step_size, dtype=torch.float64).mul(lr_t).mul(weight_decay)).to(step_size.dtype)
     out = torch.stack([step_size, bc2.sqrt(), decay], dim=1).to(torch.float32)
     return out if device is None else out.to(device, non_blocking=True)
 
