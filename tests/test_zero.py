@@ -749,6 +749,35 @@ def _memory_worker(rank, world, psi_layers):
         dist.barrier()
 
 
+def _stage1_comm_worker(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 33))
+    z = zk.ZeroAdamW(model, stage=1, bucket_size=2048, backend="reference")
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
+    seen = []
+    for set_to_none in (True, True, False, False, False):
+        model(x).pow(2).mean().backward()
+        z.step()
+        z.zero_grad(set_to_none=set_to_none)
+        seen.append(z.memory_report())
+    copy_bytes = seen[0]["params"] + 4 * seen[0]["padding_elements"]       # fp32 gradients, at most all padding
+    assert seen[0]["comm_buffers"] == seen[1]["comm_buffers"] >= copy_bytes
+    # the step after zero_grad(set_to_none=False) still copies (the gradients became views at it), the next ones
+    # reduce-scatter the flat buffers themselves and the copy buffers are given back
+    assert seen[2]["comm_buffers"] == seen[1]["comm_buffers"]
+    drop = seen[1]["comm_buffers"] - seen[3]["comm_buffers"]
+    assert seen[3]["comm_buffers"] == seen[4]["comm_buffers"] and seen[0]["params"] <= drop <= copy_bytes, (
+        [r["comm_buffers"] for r in seen], copy_bytes)
+    z.remove_hooks()
+
+
+def test_stage1_views_path_gives_back_the_copy_buffers_world2():
+    """[Note: stage-1 reduction]: after zero_grad(set_to_none=False) the gradients are views of the buckets' flat
+    buffers and step() copies nothing; the full-size copy buffers of the earlier steps (4 B/param with fp32
+    gradients) were kept for good (a user probe: comm_buffers stayed 6 B/param where 2 were due)."""
+    run_world(_stage1_comm_worker, 2, timeout=120)
+
+
 @pytest.mark.perf
 def test_memory_report_and_rss_world2():
     old = os.environ.get("MALLOC_MMAP_THRESHOLD_")

@@ -867,6 +867,76 @@ def _case_modules_entered_outside_the_root():
     zopt.remove_hooks()
 
 
+class _Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.w2(torch.tanh(self.w1(x)))
+
+
+class _MoEBlock(nn.Module):
+    """Top-1 routing: an expert runs only where some row is routed to it, so ranks call different experts."""
+    def __init__(self, experts=4):
+        super().__init__()
+        self.ln, self.router = nn.LayerNorm(8), nn.Linear(8, experts, bias=False)
+        self.experts = nn.ModuleList(_Expert() for _ in range(experts))
+
+    def forward(self, x):
+        h = self.ln(x)
+        p = self.router(h).softmax(-1)
+        top = p.argmax(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows = top == e
+            if rows.any():
+                out[rows] = expert(h[rows]) * p[rows, e:e + 1]
+        return x + out
+
+
+class _MoEModel(nn.Module):
+    """nanoGPT-style layout: the blocks in a ModuleList of the root, experts in a ModuleList of each block."""
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.blocks = nn.ModuleList(_MoEBlock() for _ in range(2))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+def _case_moe_experts_routed_by_rank():
+    """[Note: stage-3 units]: with the default units an MoE block is a leaf (its experts gather with it), so
+    ranks routing their rows to different experts train within 1e-6 of torch (were: the experts nested units,
+    an expert called on one rank only waited for the other until the timeout)."""
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(8)
+    data = [(torch.randn(4 * world, 8, generator=g) * 3, torch.randn(4 * world, 4, generator=g)) for _ in range(3)]
+    used = []
+
+    def mse(m, x, y):
+        return ((m(x) - y) ** 2).mean()
+
+    def record(m, zopt, s):
+        if s == 0:
+            assert [n for n, _ in zopt.sharding_units()] == ["", "inp", "out", "blocks.0", "blocks.1"]
+            for bi, b in enumerate(m.blocks):
+                for e, ex in enumerate(b.experts):
+                    ex.register_forward_pre_hook(lambda mod, args, key=(bi, e): used.append((len(data), key)))
+
+    m, zopt = _like_torch(_MoEModel, data, lambda m, b: sum(mse(m, _rank_rows(b[0], r), _rank_rows(b[1], r))
+                                                             for r in range(world)).div(world),
+                          lambda m, b, r, w: mse(m, _rank_rows(b[0], r), _rank_rows(b[1], r)), before_forward=record)
+    calls = [None] * world
+    dist.all_gather_object(calls, sorted({k for _, k in used}))
+    assert any(c != calls[0] for c in calls), calls         # the ranks did call different experts
+    zopt.remove_hooks()
+
+
 def _case_write_lost_while_left_gathered():
     """A unit called outside the model's forward leaves the root gathered; a write to a root parameter then, outside
     zopt.gathered(), is lost when the root is freed: the next gather says so, naming it (was: lost silently)."""
@@ -981,6 +1051,7 @@ def _world_cases(rank, world, which):
         cases.run("units called without the root", _case_units_called_without_the_root)
         cases.run("modules entered outside the root's forward", _case_modules_entered_outside_the_root)
         cases.run("a write lost while left gathered", _case_write_lost_while_left_gathered)
+        cases.run("MoE experts routed by rank", _case_moe_experts_routed_by_rank)
         cases.run("torch.func inside forward", _case_torch_func_inside_forward)
         cases.run("in-place modification of a saved tensor", _case_inplace_modification_still_detected)
         cases.run("gradient penalty", _case_gradient_penalty)
@@ -1263,6 +1334,39 @@ def test_default_units_split_repeated_blocks_world2(tmp_path):
     pad = 2 * 4 * 64                                  # alignment padding of a few buckets
     assert r["peak"] <= 2 * r["block"] + r["emb"] + 4 * pad, r
     assert r["peak"] < 6 * r["block"]                 # negative control: not the whole model
+
+
+def test_default_units_keep_what_a_repeated_block_repeats_inside_it():
+    """[Note: stage-3 units]: the members of a container of repeated blocks are leaves (an MoE block's experts,
+    a block's heads gather with it); a child that is not repeated is still searched (GPT-2's `transformer`, T5's
+    encoder and decoder, both T5Stack), and an MoE layer that is the root's only such child keeps its experts
+    as units (the documented case for ``wrap=``)."""
+    from zero_kernels.zero.units import assign_units
+
+    def names(model):
+        return [n for n, _ in assign_units(model, list(model.named_parameters()))[0]]
+
+    class _Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.ModuleList(_HFBlock(8) for _ in range(2))
+
+    class _T5Like(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder, self.decoder = _Stack(), _Stack()
+
+    class _OneMoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.moe = nn.Linear(8, 8), _MoEBlock(2)
+
+    assert names(_MoEModel()) == ["", "inp", "out", "blocks.0", "blocks.1"]
+    assert names(nn.Sequential(_MoEBlock(2), _MoEBlock(2))) == ["", "0", "1"]
+    assert names(_T5Like()) == ["", "encoder", "decoder", "encoder.block.0", "encoder.block.1",
+                                "decoder.block.0", "decoder.block.1"]
+    assert names(_HFGPT(layers=2)) == ["", "transformer", "lm_head", "transformer.h.0", "transformer.h.1"]
+    assert names(_OneMoE()) == ["", "inp", "moe", "moe.experts.0", "moe.experts.1"]
 
 
 @dataclasses.dataclass

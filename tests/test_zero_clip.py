@@ -404,3 +404,17 @@ def test_clipping_twice_returns_what_torch_returns(stage):
     with zopt.gathered():
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_placeholder_message_gives_clipping_advice_to_clipping_ops_only():
+    """Any read of p.grad between backward and step() says that it cannot be read, and why; only the ops of
+    torch's clipping add how to clip (a user probe: `p.grad.sum()` was told about a norm of 0 and clipping)."""
+    from types import SimpleNamespace
+
+    from zero_kernels.zero.grad_guard import _message
+    for stage in (1, 2, 3):
+        g = SimpleNamespace(param_name="w", stage=stage)
+        msg = _message(g, "sum")
+        assert "'w' cannot be read on a ZeRO-" in msg and "`sum`" in msg and "To clip" not in msg, msg
+        for op in ("_foreach_norm", "linalg_vector_norm", "_foreach_clamp_min_", "clamp_", "_foreach_mul_"):
+            assert "To clip gradients call zopt.clip_grad_norm_(max_norm)" in _message(g, op), op

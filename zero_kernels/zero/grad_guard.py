@@ -73,17 +73,25 @@ def _message(g: "ShardedGrad", op: str) -> str:
                 f"op `{op}`): something besides ZeroAdamW reduces the gradients, most likely "
                 f"DistributedDataParallel around the model (accelerate's prepare(model), a plain Trainer, "
                 f"Lightning's ddp strategy). ZeroAdamW reduces them itself: {UNWRAPPED}.")
-    where = ("holds this rank's local, not yet averaged gradient until step() reduce-scatters it, so a norm "
-             "or clamp computed from it differs on every rank and from DDP's") if g.stage == 1 else \
-            ("holds no data: the averaged gradient is sharded across the ranks inside ZeroAdamW (each rank "
-             "keeps a slice of every bucket), so torch would see a norm of 0 and clip nothing")
-    return (f"p.grad of parameter {g.param_name!r} on a ZeRO-{g.stage} model {where} (torch op `{op}`). "
-            f"To clip gradients call zopt.clip_grad_norm_(max_norm) on the ZeroAdamW instead of "
-            f"torch.nn.utils.clip_grad_norm_ / Accelerator.clip_grad_norm_ (the global norm over every "
-            f"rank's slices, tied parameters once; it returns the total norm as torch does, and "
-            f"zopt.clip_grad_norm_(float('inf')) only measures it); clip_grad_value_ has no ZeRO "
-            f"equivalent. The Lightning zk strategies (gradient_clip_val) and ZeroTrainer (max_grad_norm) "
-            f"already clip this way.")
+    where = ("it holds this rank's local, not yet averaged gradient until step() reduce-scatters it, so "
+             "anything computed from it differs on every rank and from DDP's") if g.stage == 1 else \
+            ("it holds no data: the averaged gradient is sharded across the ranks inside ZeroAdamW (each rank "
+             "keeps a slice of every bucket)")
+    msg = (f"p.grad of parameter {g.param_name!r} cannot be read on a ZeRO-{g.stage} model between backward and "
+           f"step() (torch op `{op}`): {where}. Per-parameter gradient statistics are not available under ZeRO; "
+           f"zopt.clip_grad_norm_(float('inf')) measures the global gradient norm.")
+    if op.lstrip("_").replace("foreach_", "") not in _CLIP_OPS:
+        return msg
+    return (msg + " To clip gradients call zopt.clip_grad_norm_(max_norm) on the ZeroAdamW instead of "
+            "torch.nn.utils.clip_grad_norm_ / Accelerator.clip_grad_norm_ (the global norm over every rank's "
+            "slices, tied parameters once; it returns the total norm as torch does); clip_grad_value_ has no "
+            "ZeRO equivalent. The Lightning zk strategies (gradient_clip_val) and ZeroTrainer (max_grad_norm) "
+            "already clip this way.")
+
+
+# the ops of torch's clip_grad_norm_ / clip_grad_value_ (and their foreach forms): the message adds how to clip
+_CLIP_OPS = frozenset({"norm", "linalg_vector_norm", "norm_", "clamp", "clamp_", "clip", "clip_", "mul_", "mul",
+                       "clamp_min", "clamp_min_", "clamp_max", "clamp_max_", "abs", "amax", "max"})
 
 
 class ShardedGrad(Tensor):

@@ -86,10 +86,13 @@ def timeout_message(kind, tag, group, timeout, waited, err) -> str:
     n = dist.get_world_size(group) if dist.is_initialized() else 1
     r = dist.get_rank(group) if dist.is_initialized() else 0
     why = str(err).strip().splitlines()[0][:200] if err is not None else "timed out"
-    unit = (" A ZeRO-3 unit's gather: every rank must run the model (or the unit) too; a forward, generate() or "
-            "evaluation on some ranks only (`if rank == 0:`) waits here. Run it on every rank (others may drop "
-            "the result), or evaluate a plain copy built from zopt.full_model_state_dict() (every rank calls it)."
-            if isinstance(tag, tuple) and tag[:1] == ("unit",) else "")
+    unit = (f" A ZeRO-3 unit's gather (unit {tag[1]} of zopt.sharding_units()): every rank must run the model "
+            "(or the unit) too; a forward, generate() or evaluation on some ranks only (`if rank == 0:`) waits "
+            "here. Run it on every rank (others may drop the result), or evaluate a plain copy built from "
+            "zopt.full_model_state_dict() (every rank calls it). A unit the forward itself calls on some ranks "
+            "only (an MoE layer's experts, routed by each rank's data) waits here too: make the layer one unit "
+            "with wrap=[<the MoE layer's class>, ...] ([Note: stage-3 units])."
+            if isinstance(tag, tuple) and tag[:1] == ("unit",) and len(tag) > 1 else "")
     return (f"{kind} (tag {tag!r}) over a process group of {n} ranks did not complete on rank {r} "
             f"after {waited:.1f} s (timeout {timeout.total_seconds():g} s): {why}. Likely cause: another "
             "rank of the group died, is hung, or never reached this collective (e.g. it skipped step() "

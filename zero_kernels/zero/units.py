@@ -3,10 +3,16 @@
 [Note: stage-3 units]
 A *unit* is a module whose parameters are gathered and freed together. ``wrap=None`` (default): the
 root's direct children (looking through ``nn.ModuleList`` / ``nn.ModuleDict``, which have no
-forward) that hold parameters are units, and inside each of them the repeated blocks (two or more
-modules of one class in a ``ModuleList`` / ``Sequential``, as FSDP's transformer auto-wrap policy
-finds them) are nested units; ``wrap`` may instead be a callable ``module -> bool`` or a
-list of module classes (every non-root module it selects is a unit; units may nest). The root is
+forward) that hold parameters are units, and inside each of them that is not itself one of repeated
+blocks the repeated blocks (two or more modules of one class in a ``ModuleList`` / ``Sequential``, as
+FSDP's transformer auto-wrap policy finds them) are nested units, searched no further. A repeated block
+is a leaf: what it repeats inside (an MoE layer's experts, attention heads in a ``ModuleList``) gathers
+with it, because a forward may call those on some ranks only (experts routed by the data), and a unit
+every rank does not enter waits for the others until ``timeout=``, as DeepSpeed's ZeRO-3 asks MoE layers to
+be leaves (``set_z3_leaf_modules``). An MoE layer found as a unit that is not repeated (the root's only
+such child) still has its experts as nested units: pass ``wrap`` with its class. ``wrap`` may instead be
+a callable ``module -> bool`` or a list of module classes (every non-root module it selects is a unit;
+units may nest). The root is
 always unit 0 and owns every parameter not inside another unit. A parameter belongs to the
 innermost unit enclosing the module that registers it. Buckets never span units
 (``build_layout(unit_of=...)``, ``BucketSpec.unit``): a unit is one bucket per (param group, dtype)
@@ -35,17 +41,23 @@ __all__ = ["assign_units"]
 
 def _unit_modules(model: nn.Module, wrap) -> list[tuple[str, nn.Module]]:
     if wrap is None:
-        out = []
+        out, blocks = [], set()
 
         def visit(prefix: str, mod: nn.Module) -> None:
+            # members of a container (ModuleList / ModuleDict, or a Sequential root) of two or more of one class;
+            # not a plain module's children (T5's encoder and decoder are both T5Stack: searched)
+            repeated = _repeated_kinds(mod) if isinstance(mod, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) else set()
             for name, child in mod.named_children():
                 path = prefix + name
                 if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
                     visit(path + ".", child)
-                elif any(True for _ in child.parameters()):
+                elif _owns_params(child):
                     out.append((path, child))
+                    if type(child) in repeated:
+                        blocks.add(id(child))
         visit("", model)
-        out += [blk for n, m in list(out) for blk in _repeated_blocks(n + ".", m)]
+        # a repeated block is a leaf (its experts or heads gather with it: [Note: stage-3 units])
+        out += [blk for n, m in list(out) if id(m) not in blocks for blk in _repeated_blocks(n + ".", m)]
         seen, uniq = set(), []
         for n, m in out:
             if id(m) not in seen:
@@ -76,6 +88,15 @@ def _owns_params(m: nn.Module) -> bool:
     return any(True for _ in m.parameters())
 
 
+def _repeated_kinds(container: nn.Module) -> set[type]:
+    """The classes of which ``container`` holds two or more parameter-owning children."""
+    kinds: dict[type, int] = {}
+    for k in container.children():
+        if _owns_params(k):
+            kinds[type(k)] = kinds.get(type(k), 0) + 1
+    return {t for t, c in kinds.items() if c >= 2}
+
+
 def _repeated_blocks(prefix: str, mod: nn.Module) -> list[tuple[str, nn.Module]]:
     """Inside a default unit: the members of any ``nn.ModuleList`` / ``nn.Sequential`` holding two or more
     parameter-owning modules of one class (the transformer blocks of ``model.transformer.h``), outermost
@@ -85,11 +106,8 @@ def _repeated_blocks(prefix: str, mod: nn.Module) -> list[tuple[str, nn.Module]]
     for name, child in mod.named_children():
         path = prefix + name
         if isinstance(child, (nn.ModuleList, nn.Sequential)):
-            kinds: dict[type, int] = {}
-            for k in child.children():
-                if _owns_params(k):
-                    kinds[type(k)] = kinds.get(type(k), 0) + 1
-            blocks = [(path + "." + n, k) for n, k in child.named_children() if kinds.get(type(k), 0) >= 2]
+            kinds = _repeated_kinds(child)
+            blocks = [(path + "." + n, k) for n, k in child.named_children() if type(k) in kinds]
             if blocks:
                 out += blocks
                 continue
