@@ -16,6 +16,29 @@ import sys
 from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _check_wheel_command() -> None:
+    """pip builds a wheel (bdist_wheel), which setuptools has from 70.1 on and older ones take from the `wheel`
+    package. --no-build-isolation uses this environment's setuptools, not pyproject's requirements: a venv made by
+    Python 3.11 has setuptools 65 and no `wheel`, and distutils said only "invalid command 'bdist_wheel'"."""
+    try:
+        from setuptools.command.bdist_wheel import bdist_wheel  # noqa: F401  (setuptools >= 70.1)
+        return
+    except ImportError:
+        pass
+    try:
+        import wheel  # noqa: F401
+    except ImportError:
+        import setuptools
+        raise SystemExit(f"zero_kernels: cannot build a wheel here: setuptools {setuptools.__version__} has no "
+                         "bdist_wheel command and the `wheel` package is missing (pip install --no-build-isolation "
+                         "builds with this environment's own setuptools).\n  Fix: pip install -U 'setuptools>=70.1' "
+                         "(or pip install wheel), then install again.")
+
+
+if any(a.startswith(("bdist_wheel", "dist_info", "editable_wheel")) for a in sys.argv[1:]):
+    _check_wheel_command()
 cfg = runpy.run_path(os.path.join(ROOT, "zero_kernels", "_build.py"))
 try:
     SKIP_EXT = runpy.run_path(os.path.join(ROOT, "zero_kernels", "_env.py"))["flag"]("ZERO_KERNELS_SKIP_EXT")

@@ -136,3 +136,29 @@ def test_ci_runs_exactly_the_readme_test_command():
         ci = [ln.strip() for ln in f if ln.strip().startswith("pip install torch==")]
     assert len(readme) == 1 and len(ci) == 1
     assert readme[0] == ci[0]
+
+
+_NO_WHEEL_COMMAND = """
+import runpy, sys
+class _Block:      # an environment whose setuptools predates bdist_wheel (< 70.1) and has no `wheel` package
+    def find_spec(self, name, path=None, target=None):
+        if name == "wheel" or name.startswith(("wheel.", "setuptools.command.bdist_wheel")):
+            raise ImportError(f"blocked {name}")
+sys.meta_path.insert(0, _Block())
+sys.argv = ["setup.py"] + sys.argv[1:]
+runpy.run_path({setup!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "setup.py")), reason="no source checkout beside the tests")
+def test_build_without_a_wheel_command_names_the_fix(tmp_path):
+    """`pip install --no-build-isolation .` in a fresh venv of Python 3.11 (setuptools 65, no `wheel`) stopped at
+    "invalid command 'bdist_wheel'" (a user probe): setup.py names the missing piece and the fix first."""
+    code = _NO_WHEEL_COMMAND.replace("{setup!r}", repr(os.path.join(ROOT, "setup.py")))
+    r = subprocess.run([sys.executable, "-c", code, "dist_info"], cwd=tmp_path, env=_setup_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "no bdist_wheel command" in r.stderr and "setuptools>=70.1" in r.stderr, r.stderr
+    # negative control: a command that builds no wheel does not ask for it
+    r = subprocess.run([sys.executable, "-c", code, "--name"], cwd=ROOT,
+                       env=_setup_env(ZERO_KERNELS_SKIP_EXT="1"), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "zero_kernels", r.stderr

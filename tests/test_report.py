@@ -38,3 +38,17 @@ def test_report_explains_a_missing_extension():
 def test_report_isa_cap_is_visible():
     d = _report("--no-compile", ZERO_KERNELS_CPU_ISA="scalar")
     assert d["extension"]["cpu_simd_path"] == "scalar"
+
+
+def test_report_names_a_mis_set_variable_instead_of_failing():
+    """The tool a bug report starts from reports a mis-set variable as a finding (it died with a traceback)."""
+    d = _report("--no-compile", ZERO_KERNELS_CPU_ISA="AVX2")
+    assert d["extension"]["loaded"] is False and "ZERO_KERNELS_CPU_ISA='AVX2'" in d["extension"]["why"]
+    assert "ZERO_KERNELS_CPU_ISA" in d["backends"]["cpu"]["error"]
+
+
+def test_report_help_gives_the_whole_first_paragraph():
+    r = subprocess.run([sys.executable, "-m", "zero_kernels.report", "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "Paste its output into a bug report." in " ".join(r.stdout.split())
+    assert "``" not in r.stdout

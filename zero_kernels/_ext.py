@@ -16,10 +16,13 @@ Environment:
     ZERO_KERNELS_CPU_ISA=avx512|avx2|scalar   cap the CPU kernel's SIMD path (read by the C++ code).
     ZERO_KERNELS_CPU_NT=<a><b> non-temporal stores for the 16-bit parameter copy (a) and the fp32
                                outputs (b), e.g. "10" (the default: measured best here).
-    ZERO_KERNELS_VERBOSE_BUILD=1  show the JIT compiler output.
+    ZERO_KERNELS_VERBOSE_BUILD=1  show the JIT compiler output (without it, a build with nothing cached yet
+                                  prints one line on stderr: it takes minutes).
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import warnings
 from types import ModuleType
@@ -56,8 +59,21 @@ def _jit_build() -> ModuleType:
         sources = sources + cu
         kwargs["extra_cuda_cflags"] = list(_build.NVCC_FLAGS) + ["-DZK_WITH_CUDA=1"]
     cflags = list(_build.CXX_FLAGS) + (["-DZK_WITH_CUDA=1"] if with_cuda else [])
+    _say_first_build(_build.jit_name())
     return load(name=_build.jit_name(), sources=sources, extra_cflags=cflags,
                 with_cuda=with_cuda, verbose=flag("ZERO_KERNELS_VERBOSE_BUILD"), **kwargs)
+
+
+def _say_first_build(name: str) -> None:
+    """One line on stderr when the JIT build has no cached module yet: it compiles for minutes, silently."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory    # torch's own rule for the cache folder
+        where = _get_build_directory(name, False)
+    except Exception:  # noqa: BLE001 - a torch without it: no message, the build goes on
+        return
+    if not os.path.exists(os.path.join(where, name + ".so")) and not flag("ZERO_KERNELS_VERBOSE_BUILD"):
+        print(f"zero_kernels: building the C++ extension for this machine (first use here: about 1-3 minutes; "
+              f"cached in {where}; ZERO_KERNELS_VERBOSE_BUILD=1 shows the compiler)", file=sys.stderr, flush=True)
 
 
 def _load() -> None:

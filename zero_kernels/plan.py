@@ -84,13 +84,24 @@ def _stage(text: str) -> str:
     raise argparse.ArgumentTypeError(f"expected 0 (DDP), 1, 2, 3 or 'all', got {text!r}")
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """argparse's ArgumentDefaultsHelpFormatter without "(default: None)" and without a second default where the
+    help already states one."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in h or not action.option_strings:
+            return h
+        return h + " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m zero_kernels.plan",
         description="Per-GPU memory of mixed-precision Adam training under DDP and ZeRO-1/2/3 "
                     "(model states by category, ZeRO-3 gather buffer, activations), whether it "
                     "fits, and the largest model that would. 1 GB = 1e9 bytes.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsFormatter)
     m = p.add_argument_group("model (one of --params / --model)")
     m.add_argument("--params", type=_param_count, metavar="N",
                    help="number of parameters Ψ: 7e9, 7B, 350M ...")

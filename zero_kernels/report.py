@@ -66,7 +66,10 @@ def _cpu_flags() -> list[str]:
 
 
 def _extension() -> dict[str, Any]:
-    mod = _ext.cpu_module()
+    try:
+        mod = _ext.cpu_module()
+    except ValueError as e:     # a variable the kernel reads itself is not understood (_env): a finding here
+        return {"loaded": False, "why": str(e), "fix": "correct or unset that environment variable"}
     if mod is None:
         return {"loaded": False, "why": _ext.load_error(),
                 "fix": "pip install --no-build-isolation . with a C++ compiler and ninja (see README), "
@@ -105,11 +108,12 @@ def _backends() -> dict[str, Any]:
     devices = [torch.device("cpu")] + ([torch.device("cuda", 0)] if torch.cuda.is_available() else [])
     out = {}
     for dev in devices:
-        why = {name: backends.why_unavailable(name, dev) for name in backends.BACKENDS if name != "auto"}
         try:
+            why = {name: backends.why_unavailable(name, dev) for name in backends.BACKENDS if name != "auto"}
             auto = backends.resolve("auto", dev)
-        except ValueError as e:  # pragma: no cover - resolve("auto") falls back to reference
-            auto = f"error: {e}"
+        except ValueError as e:  # a mis-set environment variable (_env), reported under "extension" too
+            out[str(dev)] = {"error": str(e)}
+            continue
         out[str(dev)] = {"auto": auto, "available": [n for n, w in why.items() if w is None],
                          "unavailable": {n: w for n, w in why.items() if w is not None}}
     if not torch.cuda.is_available():
@@ -165,7 +169,8 @@ def _lines(d: dict[str, Any], indent: int = 0) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m zero_kernels.report", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m zero_kernels.report",
+                                 description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""))
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     ap.add_argument("--no-compile", action="store_true", help="skip the Triton ahead-of-time compile probe")
     args = ap.parse_args(argv)
