@@ -137,8 +137,10 @@ class Stage3Reducer(Stage2Reducer):
             # each): count a new round, else the bucket would be freed while its other parameters
             # still expect AccumulateGrad (which needs their full shape).
             b.s3_arrived.clear()
+            b.s3_done = False
         b.s3_arrived.add(li)
         if len(b.s3_arrived) == len(b.params):
+            b.s3_done = True            # [Note: buckets done in a backward] in unit_hooks.py
             self.free_bucket(b)
 
 

@@ -145,6 +145,7 @@ class UnitBucket(FlatBucket):
         self.gather_state = GATHERED
         self.ag = None                                       # AllGatherResult in flight
         self.s3_arrived: set[int] = set()                    # params with a gradient this backward
+        self.s3_done = False                                 # freed in this backward: every gradient arrived
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
         self.lost_write: str | None = None                   # written while gathered and lost at a free
         self.record_versions()

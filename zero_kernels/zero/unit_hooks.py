@@ -364,12 +364,24 @@ class UnitRuntime:
             self._rec_bwd = []
             Variable._execution_engine.queue_callback(scoped(self.timeout, self.group, self._post_backward))
 
+    # [Note: buckets done in a backward]
+    # A bucket is freed in backward once every one of its parameters delivered its gradient (Stage3Reducer.on_grad),
+    # which depends on the rank when a parameter is unused there (an MoE expert no row of this rank was routed
+    # to: the bucket stays gathered on that rank, is freed on the others). A pre-backward hook that fires later
+    # for the same unit (an output whose gradient completes late: T5's position_bias, passed through every block
+    # and hooked by each) re-gathered the freed bucket on the ranks that freed it only: an all-gather the other
+    # ranks never issued (a deadlock until timeout=). So the hook leaves a bucket that is done in this backward
+    # freed on every rank; what backward still reads from it is gathered on demand, bucket by bucket (a tensor
+    # saved from it, a gradient into it: [Note: tensors saved from a unit]), as after any other free.
     def _pre_backward_hook(self, u: _Unit, token):
         def hook(grad, _token=token):    # the forward's token lives as long as this hook (unit_hold.py)
             with torch.no_grad():
                 self.ensure_final_callback()
                 self._unit_backward(u)
-                self._ensure(u)
+                todo = [b for b in u.buckets if not b.s3_done]
+                self._start(u, buckets=todo)
+                for b in todo:
+                    b.finish_gather()
                 if not u.bwd_seen:
                     u.bwd_seen = True
                     self._rec_bwd.append(u.index)
@@ -425,6 +437,7 @@ class UnitRuntime:
                 u.bwd_seen = u.bwd_started = u.hooked = False
                 for b in u.buckets:
                     b.s3_arrived.clear()
+                    b.s3_done = False
             if keep:
                 self.hold.clear()
             else:

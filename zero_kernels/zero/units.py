@@ -10,7 +10,8 @@ is a leaf: what it repeats inside (an MoE layer's experts, attention heads in a 
 with it, because a forward may call those on some ranks only (experts routed by the data), and a unit
 every rank does not enter waits for the others until ``timeout=``, as DeepSpeed's ZeRO-3 asks MoE layers to
 be leaves (``set_z3_leaf_modules``). An MoE layer found as a unit that is not repeated (the root's only
-such child) still has its experts as nested units: pass ``wrap`` with its class. ``wrap`` may instead be
+MoE layer, or one in a ModuleList beside blocks of other classes) still has its experts as nested units:
+pass ``wrap`` with its class. ``wrap`` may instead be
 a callable ``module -> bool`` or a list of module classes (every non-root module it selects is a unit;
 units may nest). The root is
 always unit 0 and owns every parameter not inside another unit. A parameter belongs to the
@@ -101,7 +102,14 @@ def _repeated_blocks(prefix: str, mod: nn.Module) -> list[tuple[str, nn.Module]]
     """Inside a default unit: the members of any ``nn.ModuleList`` / ``nn.Sequential`` holding two or more
     parameter-owning modules of one class (the transformer blocks of ``model.transformer.h``), outermost
     first; a block found is not searched further. They become nested units, so a model whose one big
-    child holds every block (Hugging Face GPT-2's ``transformer``) gathers one block at a time."""
+    child holds every block (Hugging Face GPT-2's ``transformer``) gathers one block at a time. A unit that
+    is itself such a ``Sequential`` (timm's ``blocks = nn.Sequential(*blocks)`` on the root) gives its own
+    blocks (it was one unit holding every block)."""
+    if isinstance(mod, nn.Sequential):
+        kinds = _repeated_kinds(mod)
+        blocks = [(prefix + n, k) for n, k in mod.named_children() if type(k) in kinds]
+        if blocks:
+            return blocks
     out = []
     for name, child in mod.named_children():
         path = prefix + name
