@@ -1396,7 +1396,7 @@ def test_default_units_keep_what_a_repeated_block_repeats_inside_it():
     a block's heads gather with it); a child that is not repeated is still searched (GPT-2's `transformer`, T5's
     encoder and decoder, both T5Stack), and an MoE layer that is the root's only such child keeps its experts
     as units (the documented case for ``wrap=``). A root child that is a Sequential of blocks (timm) gives its
-    blocks as units."""
+    blocks as units, and so does a Sequential inside a repeated block (the blocks of a ConvNeXt / U-Net stage)."""
     from zero_kernels.zero.units import assign_units
 
     def names(model):
@@ -1431,6 +1431,26 @@ def test_default_units_keep_what_a_repeated_block_repeats_inside_it():
             self.blocks = nn.Sequential(*[_HFBlock(8) for _ in range(3)])
 
     assert names(_TimmLike()) == ["", "patch", "head", "blocks", "blocks.0", "blocks.1", "blocks.2"]  # was one unit
+
+    class _Stage(nn.Module):            # a ConvNeXt / U-Net stage: its blocks in a Sequential
+        def __init__(self):
+            super().__init__()
+            self.down, self.blocks = nn.Linear(8, 8), nn.Sequential(_HFBlock(8), _HFBlock(8))
+
+    class _ConvNeXtLike(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.stages = nn.Linear(8, 8), nn.Sequential(_Stage(), _Stage())
+
+    class _UNetLike(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.downs = nn.Linear(8, 8), nn.ModuleList([_Stage(), _Stage()])
+
+    inner = [f"{s}.blocks.{b}" for s in (0, 1) for b in (0, 1)]
+    # the repeated stages are units, and so are the blocks of their Sequentials (a Sequential calls every member)
+    assert names(_ConvNeXtLike()) == ["", "stem", "stages", "stages.0", "stages.1"] + [f"stages.{x}" for x in inner]
+    assert names(_UNetLike()) == ["", "stem", "downs.0", "downs.1"] + [f"downs.{x}" for x in inner]
 
 
 @dataclasses.dataclass

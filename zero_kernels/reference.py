@@ -94,8 +94,10 @@ def compute_coeffs(steps: list[Tensor] | Tensor, lr: float | Tensor, beta1: floa
     # Python-float operands (never torch.tensor(x, device=...)): a host->device copy would block the
     # host and cannot be captured in a CUDA graph.
     lr_t = lr.to(s.device, s.dtype).reshape(()) if isinstance(lr, Tensor) else float(lr)
-    bc1 = 1 - torch.pow(float(beta1), s)
-    bc2 = 1 - torch.pow(float(beta2), s)
+    # beta ** s with the base as a tensor (the same pow per element): under torch.compile a beta that changed
+    # twice is a SymFloat too, and a Python-scalar base was baked as the decay's fill value was (below)
+    bc1 = 1 - torch.ones_like(s).mul(beta1).pow(s)
+    bc2 = 1 - torch.ones_like(s).mul(beta2).pow(s)
     step_size = lr_t / bc1
     if not adamw:
         decay = torch.ones_like(step_size)

@@ -7,7 +7,9 @@ forward) that hold parameters are units, and inside each of them that is not its
 blocks the repeated blocks (two or more modules of one class in a ``ModuleList`` / ``Sequential``, as
 FSDP's transformer auto-wrap policy finds them) are nested units, searched no further. A repeated block
 is a leaf: what it repeats inside (an MoE layer's experts, attention heads in a ``ModuleList``) gathers
-with it, because a forward may call those on some ranks only (experts routed by the data), and a unit
+with it (the repeated blocks of an ``nn.Sequential`` inside it, the blocks of a ConvNeXt or U-Net stage, are still
+nested units: a Sequential calls every member on every rank), because a forward may call those on some ranks only
+(experts routed by the data), and a unit
 every rank does not enter waits for the others until ``timeout=``, as DeepSpeed's ZeRO-3 asks MoE layers to
 be leaves (``set_z3_leaf_modules``). An MoE layer found as a unit that is not repeated (the root's only
 MoE layer, or one in a ModuleList beside blocks of other classes) still has its experts as nested units:
@@ -57,8 +59,10 @@ def _unit_modules(model: nn.Module, wrap) -> list[tuple[str, nn.Module]]:
                     if type(child) in repeated:
                         blocks.add(id(child))
         visit("", model)
-        # a repeated block is a leaf (its experts or heads gather with it: [Note: stage-3 units])
-        out += [blk for n, m in list(out) if id(m) not in blocks for blk in _repeated_blocks(n + ".", m)]
+        # a repeated block is a leaf for what it repeats in a ModuleList / ModuleDict (experts, heads: [Note:
+        # stage-3 units]), not for the blocks of a Sequential inside it (a stage of a ConvNeXt / U-Net)
+        out += [blk for n, m in list(out)
+                for blk in (_sequential_blocks(n + ".", m) if id(m) in blocks else _repeated_blocks(n + ".", m))]
         seen, uniq = set(), []
         for n, m in out:
             if id(m) not in seen:
@@ -105,11 +109,8 @@ def _repeated_blocks(prefix: str, mod: nn.Module) -> list[tuple[str, nn.Module]]
     child holds every block (Hugging Face GPT-2's ``transformer``) gathers one block at a time. A unit that
     is itself such a ``Sequential`` (timm's ``blocks = nn.Sequential(*blocks)`` on the root) gives its own
     blocks (it was one unit holding every block)."""
-    if isinstance(mod, nn.Sequential):
-        kinds = _repeated_kinds(mod)
-        blocks = [(prefix + n, k) for n, k in mod.named_children() if type(k) in kinds]
-        if blocks:
-            return blocks
+    if isinstance(mod, nn.Sequential) and _repeated_kinds(mod):
+        return _sequential_blocks(prefix, mod)
     out = []
     for name, child in mod.named_children():
         path = prefix + name
@@ -117,9 +118,32 @@ def _repeated_blocks(prefix: str, mod: nn.Module) -> list[tuple[str, nn.Module]]
             kinds = _repeated_kinds(child)
             blocks = [(path + "." + n, k) for n, k in child.named_children() if type(k) in kinds]
             if blocks:
-                out += blocks
+                out += blocks + [x for n, k in blocks for x in _sequential_blocks(n + ".", k)]
                 continue
         out += _repeated_blocks(path + ".", child)
+    return out
+
+
+def _sequential_blocks(prefix: str, mod: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Inside a repeated block: the repeated members of the ``nn.Sequential`` containers in it (the blocks of a
+    stage: a Sequential calls every member, on every rank, unlike the ModuleList of an MoE layer's experts),
+    outermost first, each searched the same way; ``mod`` itself when it is such a Sequential (a ResNet layer)."""
+    if isinstance(mod, nn.Sequential):
+        kinds = _repeated_kinds(mod)
+        blocks = [(prefix + n, k) for n, k in mod.named_children() if type(k) in kinds]
+        if blocks:
+            return blocks + [x for n, k in blocks for x in _sequential_blocks(n + ".", k)]
+    out = []
+    for name, child in mod.named_children():
+        path = prefix + name
+        if isinstance(child, nn.Sequential):
+            kinds = _repeated_kinds(child)
+            blocks = [(path + "." + n, k) for n, k in child.named_children() if type(k) in kinds]
+            if blocks:
+                out += blocks + [x for n, k in blocks for x in _sequential_blocks(n + ".", k)]
+                continue
+        if not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            out += _sequential_blocks(path + ".", child)
     return out
 
 
