@@ -60,6 +60,8 @@ SUITES = {
     "triton": ["tests/test_fused_adam.py", "-k", "triton"],
     # the reference (and compute_coeffs, used by every backend) against torch.optim
     "reference": ["tests/test_fused_adam.py", "-k", "reference"],
+    # compute_coeffs' traced branch (device steps, torch.compile): the Inductor schedules of test_compile.py
+    "compile": ["tests/test_compile.py", "-k", "under_inductor"],
     # the C++ CPU kernel: its own tests (bitwise SIMD paths, reference, torch.optim) + the optimizer
     # (-k matches the module name too: all of test_cpu_kernel.py, the [cpu] cases of test_fused_adam)
     "cpu": ["tests/test_cpu_kernel.py", "tests/test_fused_adam.py", "-k", "cpu and not slow and not flatten"],
@@ -151,8 +153,8 @@ FAULTS = [
     # --- bias corrections: step_size = lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t)
     ("coeffs.no_bc1", REF, "step_size = lr_t / bc1", "step_size = lr_t", "reference",
      "step_size without /bc1 (all backends)"),
-    ("coeffs.bc1_step_off_by_one", REF, "bc1 = 1 - torch.pow(float(beta1), s)",
-     "bc1 = 1 - torch.pow(float(beta1), s + 1)", "reference",
+    ("coeffs.bc1_step_off_by_one", REF, "bc1 = 1 - torch.ones_like(s).mul(beta1).pow(s)",
+     "bc1 = 1 - torch.ones_like(s).mul(beta1).pow(s + 1)", "reference",
      "bc1 uses beta1^(t+1)"),
     ("coeffs.bc2_not_sqrt", REF, "bc2.sqrt()", "bc2", "reference", "bc2_sqrt = 1 - beta2^t (no sqrt)"),
     ("tri.no_bc2", K, "denom = tl.div_rn(root, bc2_sqrt) + eps", "denom = root + eps", "triton",
@@ -179,6 +181,11 @@ FAULTS = [
      "reference", "Adam L2 applied as decoupled decay"),
     ("coeffs.decay_without_lr", REF, "(1 - lr_t * weight_decay)", "(1 - weight_decay)", "reference",
      "AdamW decay = 1 - wd (not scaled by lr)"),
+    ("coeffs.traced_decay_without_lr", REF, ".mul(lr_t).mul(weight_decay)", ".mul(weight_decay)", "compile",
+     "AdamW decay = 1 - wd in the traced branch (a float lr under torch.compile)"),
+    ("coeffs.traced_bc2_stale_base", REF, "bc2 = 1 - torch.ones_like(s).mul(beta2).pow(s)",
+     "bc2 = 1 - torch.ones_like(s).mul(0.999).pow(s)", "compile",
+     "the traced bias correction ignores the group's beta2 (a stale base)"),
     ("cpp.adamw_decay_after.scalar", SIMD, "p = p - (j.step_size * m) / denom;",
      "p = p - j.decay * (j.step_size * m) / denom;", "cpu", "AdamW decay after the update (scalar)"),
     ("cpp.adamw_decay_after.vector", SIMD, "p = V::sub(p, V::div(V::mul(ss, m), denom));",
