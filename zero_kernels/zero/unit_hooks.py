@@ -141,9 +141,9 @@ class UnitRuntime:
         n = sum(1 for x in self.units if any(b.gather_state != FREE for b in x.buckets))
         self.peak_gathered_units = max(self.peak_gathered_units, n)
 
-    def _ensure(self, u: _Unit) -> None:
-        self._start(u)
-        for b in u.buckets:
+    def _ensure(self, u: _Unit, buckets: list[UnitBucket] | None = None) -> None:
+        self._start(u, buckets=buckets)
+        for b in u.buckets if buckets is None else buckets:
             b.finish_gather()
 
     def free(self, b: UnitBucket) -> None:
@@ -378,10 +378,7 @@ class UnitRuntime:
             with torch.no_grad():
                 self.ensure_final_callback()
                 self._unit_backward(u)
-                todo = [b for b in u.buckets if not b.s3_done]
-                self._start(u, buckets=todo)
-                for b in todo:
-                    b.finish_gather()
+                self._ensure(u, [b for b in u.buckets if not b.s3_done])
                 if not u.bwd_seen:
                     u.bwd_seen = True
                     self._rec_bwd.append(u.index)

@@ -6,15 +6,14 @@ root's direct children (looking through ``nn.ModuleList`` / ``nn.ModuleDict``, w
 forward) that hold parameters are units, and inside each of them that is not itself one of repeated
 blocks the repeated blocks (two or more modules of one class in a ``ModuleList`` / ``Sequential``, as
 FSDP's transformer auto-wrap policy finds them) are nested units, searched no further. A repeated block
-is a leaf: what it repeats inside (an MoE layer's experts, attention heads in a ``ModuleList``) gathers
-with it (the repeated blocks of an ``nn.Sequential`` inside it, the blocks of a ConvNeXt or U-Net stage, are still
-nested units: a Sequential calls every member on every rank), because a forward may call those on some ranks only
-(experts routed by the data), and a unit
-every rank does not enter waits for the others until ``timeout=``, as DeepSpeed's ZeRO-3 asks MoE layers to
-be leaves (``set_z3_leaf_modules``). An MoE layer found as a unit that is not repeated (the root's only
-MoE layer, or one in a ModuleList beside blocks of other classes) still has its experts as nested units:
-pass ``wrap`` with its class. ``wrap`` may instead be
-a callable ``module -> bool`` or a list of module classes (every non-root module it selects is a unit;
+is a leaf for what it repeats in a ``ModuleList`` / ``ModuleDict`` (an MoE layer's experts, attention
+heads): that gathers with it, because a forward may call those on some ranks only (experts routed by the
+data), and a unit every rank does not enter waits for the others until ``timeout=`` (DeepSpeed's ZeRO-3 asks
+MoE layers to be leaves too: ``set_z3_leaf_modules``). The repeated blocks of an ``nn.Sequential`` inside it
+(a ConvNeXt or U-Net stage's) are still nested units: a Sequential calls every member on every rank. An MoE
+layer found as a unit that is not repeated (the root's only MoE layer, or one in a ModuleList beside blocks
+of other classes) still has its experts as nested units: pass ``wrap`` with its class. ``wrap`` may instead
+be a callable ``module -> bool`` or a list of module classes (every non-root module it selects is a unit;
 units may nest). The root is
 always unit 0 and owns every parameter not inside another unit. A parameter belongs to the
 innermost unit enclosing the module that registers it. Buckets never span units
@@ -115,8 +114,7 @@ def _repeated_blocks(prefix: str, mod: nn.Module) -> list[tuple[str, nn.Module]]
     for name, child in mod.named_children():
         path = prefix + name
         if isinstance(child, (nn.ModuleList, nn.Sequential)):
-            kinds = _repeated_kinds(child)
-            blocks = [(path + "." + n, k) for n, k in child.named_children() if type(k) in kinds]
+            blocks = _blocks_of(path + ".", child)
             if blocks:
                 out += blocks + [x for n, k in blocks for x in _sequential_blocks(n + ".", k)]
                 continue
@@ -129,22 +127,17 @@ def _sequential_blocks(prefix: str, mod: nn.Module) -> list[tuple[str, nn.Module
     stage: a Sequential calls every member, on every rank, unlike the ModuleList of an MoE layer's experts),
     outermost first, each searched the same way; ``mod`` itself when it is such a Sequential (a ResNet layer)."""
     if isinstance(mod, nn.Sequential):
-        kinds = _repeated_kinds(mod)
-        blocks = [(prefix + n, k) for n, k in mod.named_children() if type(k) in kinds]
+        blocks = _blocks_of(prefix, mod)
         if blocks:
             return blocks + [x for n, k in blocks for x in _sequential_blocks(n + ".", k)]
-    out = []
-    for name, child in mod.named_children():
-        path = prefix + name
-        if isinstance(child, nn.Sequential):
-            kinds = _repeated_kinds(child)
-            blocks = [(path + "." + n, k) for n, k in child.named_children() if type(k) in kinds]
-            if blocks:
-                out += blocks + [x for n, k in blocks for x in _sequential_blocks(n + ".", k)]
-                continue
-        if not isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            out += _sequential_blocks(path + ".", child)
-    return out
+    return [x for name, child in mod.named_children() if not isinstance(child, (nn.ModuleList, nn.ModuleDict))
+            for x in _sequential_blocks(prefix + name + ".", child)]
+
+
+def _blocks_of(prefix: str, container: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, module) of the members of ``container`` whose class it holds two or more of."""
+    kinds = _repeated_kinds(container)
+    return [(prefix + n, k) for n, k in container.named_children() if type(k) in kinds]
 
 
 def assign_units(model: nn.Module, trainable: Sequence[tuple[str, nn.Parameter]], wrap=None):
